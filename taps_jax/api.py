@@ -1,0 +1,121 @@
+"""The public Python API: load a target, get logits, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from taps_jax.checkpoints.hf import check_dir, load_transformer, save_transformer
+from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
+from taps_jax.config import ModelConfig
+from taps_jax.engine.ar import DecodeConfig, ar_generate
+from taps_jax.engine.batching import bucket, check_lengths, encode_prompts, pad_batch
+from taps_jax.engine.prefill import FINISH_NAMES
+from taps_jax.engine.sampling import SamplingConfig
+from taps_jax.models.transformer import Transformer
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Generated continuations (prompt excluded) and per-sequence facts."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    texts: list[str] | None = None
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits(graphdef, params, tokens_BT):
+    return nnx.merge(graphdef, params).logits(tokens_BT)
+
+
+class Target:
+    """A target model with its tokenizer; the unit every decoder builds on."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, eos_ids: tuple[int, ...] = ()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.graphdef, self.params = nnx.split(model)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def logits(self, token_ids) -> jax.Array:
+        """[B, T] int token ids -> [B, T, V] float32 causal logits."""
+        tokens = np.asarray(token_ids)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token_ids must be a non-empty [batch, length] integer array, got {tokens.dtype} {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {tokens.min()}..{tokens.max()}")
+        return _logits(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32))
+
+    def encode(self, prompts) -> list[list[int]]:
+        return encode_prompts(prompts, self.tokenizer, self.config.vocab_size)
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; read the token ids instead")
+        return self.tokenizer.decode(ids)
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        capacity: int | None = None,
+        stop_at_eos: bool = True,
+    ) -> GenerateResult:
+        """Plain autoregressive decoding (batched; greedy when temperature is 0).
+
+        prompts: a string, a list of strings, or lists of token ids.
+        capacity: KV-cache slots per sequence (default: the prompt + new tokens, bucketed).
+        """
+        check_lengths(max_new_tokens)
+        sampling = SamplingConfig(temperature, top_k, top_p)
+        ids = self.encode(prompts)
+        capacity = capacity or bucket(max(map(len, ids)) + max_new_tokens)
+        prompt, lens, active = pad_batch(ids, capacity)
+        config = DecodeConfig(max_new_tokens, capacity, sampling, self.eos_ids if stop_at_eos else ())
+        out, n, finish = ar_generate(
+            self.graphdef, self.params, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active),
+            jax.random.key(seed), config=config,
+        )
+        return self._result(np.asarray(out), np.asarray(n), np.asarray(finish), len(ids))
+
+    def _result(self, out, n, finish, count, stats=None) -> GenerateResult:
+        tokens = [out[b, : n[b]].tolist() for b in range(count)]
+        texts = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer else None
+        reasons = [FINISH_NAMES[int(f)] for f in finish[:count]]
+        return GenerateResult(tokens, reasons, texts, stats or {})
+
+    def save(self, path) -> None:
+        """Write the HF layout (config.json, model.safetensors, tokenizer.json)."""
+        path = Path(path)
+        extra = {"eos_token_id": list(self.eos_ids)[0] if len(self.eos_ids) == 1 else list(self.eos_ids)} if self.eos_ids else None
+        save_transformer(nnx.merge(self.graphdef, self.params), path, extra)
+        if self.tokenizer is not None:
+            self.tokenizer.save(path / "tokenizer.json")
+
+
+def load_target(path, dtype: str = "float32") -> Target:
+    """Load a Hugging Face target checkpoint directory (Qwen3, Llama 3, Qwen2)."""
+    path = check_dir(path)
+    model, raw = load_transformer(path, dtype)
+    eos = stop_ids(path, raw)
+    tokenizer = Tokenizer.from_file(path / "tokenizer.json", eos) if (path / "tokenizer.json").is_file() else None
+    return Target(model, tokenizer, eos)

@@ -1,0 +1,155 @@
+"""Safetensors I/O and the mapping between NNX parameter paths and HF names.
+
+Weights are read on the host (jax CPU device, which handles bfloat16, unlike
+numpy-only readers), checked against the model's expected shapes, and placed
+on the accelerator once by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def _host():
+    return jax.default_device(jax.devices("cpu")[0])
+
+
+def safetensor_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint dir (single file or sharded with index)."""
+    if (path / INDEX_NAME).is_file():
+        index = json.loads((path / INDEX_NAME).read_text())
+        names = sorted(set(index["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{path}: shards listed in {INDEX_NAME} are missing: {missing}")
+        return [path / n for n in names]
+    if (path / SINGLE_NAME).is_file():
+        return [path / SINGLE_NAME]
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    if found:
+        return [path / n for n in found]
+    raise ValueError(
+        f"{path}: no weights found; expected {SINGLE_NAME} or {INDEX_NAME} with its shards"
+    )
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint dir as host numpy arrays (bf16 via ml_dtypes)."""
+    out: dict[str, np.ndarray] = {}
+    with _host():
+        for file in safetensor_files(path):
+            try:
+                with safe_open(str(file), framework="flax") as f:
+                    for name in f.keys():
+                        out[name] = np.asarray(f.get_tensor(name))
+            except Exception as e:  # truncated or not a safetensors file
+                raise ValueError(f"{file}: cannot read safetensors file ({e}); re-export or re-download it") from e
+    return out
+
+
+def write_tensors(path: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int = 4 << 30) -> None:
+    """Write tensors as model.safetensors, or as shards with an index when large."""
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    with _host():
+        if len(shards) == 1:
+            _atomic_save(shards[0], path / SINGLE_NAME)
+            return
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save(shard, path / fname)
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.nbytes for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
+def _atomic_save(tensors: dict[str, np.ndarray], file: Path) -> None:
+    """Write to a temp name and rename, so an interrupted save never leaves a torn file."""
+    tmp = file.with_suffix(".tmp")
+    save_file({k: jax.numpy.asarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, file)
+
+
+# --- NNX paths <-> Hugging Face names -------------------------------------
+
+def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
+    """HF tensor name for an NNX param path, and whether to transpose it.
+
+    Linear kernels are [in, out] here and [out, in] in HF; embedding tables
+    and norm weights keep their shape.
+    """
+    *parents, leaf = (str(p) for p in path)
+    transpose = leaf == "kernel"
+    leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    return prefix + ".".join([*parents, leaf]), transpose
+
+
+def module_to_tensors(module: nnx.Module, prefix_of: Callable[[tuple], str]) -> dict[str, np.ndarray]:
+    """Host numpy tensors of a module under HF names."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        name, transpose = hf_name(path, prefix_of(path))
+        value = np.asarray(jax.device_get(var.get_value()))
+        out[name] = value.T if transpose else value
+    return out
+
+
+def load_module(
+    abstract: nnx.Module,
+    tensors: dict[str, np.ndarray],
+    prefix_of: Callable[[tuple], str],
+    source: str,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> nnx.Module:
+    """Fill an abstract (eval_shape'd) module from HF-named host tensors.
+
+    Every parameter must be present with the right shape; tensors that map to
+    no parameter are an error unless `ignore` accepts them (the names of
+    both sides are in the message, so a wrong architecture is obvious).
+    """
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    used = set()
+    values = []
+    for path, var in flat:
+        name, transpose = hf_name(path, prefix_of(path))
+        if name not in tensors:
+            raise ValueError(f"{source}: missing tensor {name!r} (shape {tuple(var.get_value().shape)[::-1] if transpose else tuple(var.get_value().shape)})")
+        value = tensors[name].T if transpose else tensors[name]
+        want = tuple(var.get_value().shape)
+        if tuple(value.shape) != want:
+            got = tuple(tensors[name].shape)
+            expected = want[::-1] if transpose else want
+            raise ValueError(f"{source}: tensor {name!r} has shape {got}, the config expects {expected}")
+        used.add(name)
+        values.append(np.asarray(value, dtype=var.get_value().dtype))
+    extra = sorted(n for n in tensors if n not in used and not ignore(n))
+    if extra:
+        shown = ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else "")
+        raise ValueError(f"{source}: {len(extra)} tensors match no parameter of this architecture: {shown}")
+    leaves = jax.device_put(values)  # one transfer of the whole set to the default device
+    for (path, var), leaf in zip(flat, leaves):
+        var.set_value(leaf)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

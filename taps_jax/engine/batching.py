@@ -1,0 +1,75 @@
+"""Host-side prompt checks and padding into static (batch, length) buckets.
+
+Everything here runs before tracing, so bad input fails fast with a clear
+message, and prompts of nearby lengths share one compiled program.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Strings (needs a tokenizer) or token-id sequences -> checked id lists."""
+    if isinstance(prompts, (str, bytes)) or (hasattr(prompts, "ndim") and prompts.ndim == 1):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given; pass at least one prompt (a string or a list of token ids)")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this model has none, pass token ids instead")
+            ids = tokenizer.encode(p)
+        else:
+            arr = np.asarray(p)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"prompt {i}: token ids must be a 1-D sequence of integers, got {arr.dtype} with shape {arr.shape}")
+            ids = arr.astype(np.int64).tolist()
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
+def check_lengths(max_new_tokens, temperature=0.0) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def pad_batch(ids: Sequence[Sequence[int]], capacity: int, min_batch: int = 1):
+    """Right-pad prompts to a length bucket and the batch to a power of two.
+
+    Returns (prompt [Bp, T] int32, prompt_len [Bp] int32, active [Bp] bool);
+    padded batch slots repeat the first prompt and are marked inactive.
+    """
+    longest = max(len(p) for p in ids)
+    if longest > capacity:
+        raise ValueError(
+            f"a prompt has {longest} tokens but the cache holds {capacity}; "
+            "shorten the prompt or raise capacity"
+        )
+    T = min(bucket(longest), capacity)
+    B = bucket(len(ids), minimum=min_batch)
+    prompt = np.zeros((B, T), np.int32)
+    lens = np.zeros((B,), np.int32)
+    for b in range(B):
+        p = ids[b] if b < len(ids) else ids[0]
+        prompt[b, : len(p)] = p
+        lens[b] = len(p)
+    active = np.arange(B) < len(ids)
+    return prompt, lens, active

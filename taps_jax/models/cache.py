@@ -1,0 +1,78 @@
+"""The target's KV cache: a plain pytree carried through jitted loops."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from taps_jax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys/values for every layer; slot s of sequence b holds position s.
+
+    Slots [0, lengths[b]) are committed and visible. A forward writes the K/V
+    of its new tokens at [lengths, lengths + T) without advancing `lengths`:
+    the caller decides what to commit (all of it for prefill and AR decoding,
+    the accepted tree path after verification).
+    """
+
+    k_LBSKH: jax.Array  # [layers, batch, capacity, kv_heads, head_dim]
+    v_LBSKH: jax.Array  # [layers, batch, capacity, kv_heads, head_dim]
+    lengths_B: jax.Array  # [batch] int32, committed tokens per sequence
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
+        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+        return cls(
+            k_LBSKH=jnp.zeros(shape, config.jnp_dtype),
+            v_LBSKH=jnp.zeros(shape, config.jnp_dtype),
+            lengths_B=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.k_LBSKH.shape[2]
+
+    def write(self, k_LBTKH, v_LBTKH) -> "KVCache":
+        """Write new K/V at slots [lengths, lengths + T) of each sequence.
+
+        Slots past the capacity are dropped (never clamped onto committed
+        slots), so a finished sequence at capacity can ride along in a batch.
+        """
+        T = k_LBTKH.shape[2]
+
+        def one(cache_LSKH, new_LTKH, start):
+            return cache_LSKH.at[:, start + jnp.arange(T)].set(new_LTKH, mode="drop")
+
+        write_B = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)
+        return self.replace(
+            k_LBSKH=write_B(self.k_LBSKH, k_LBTKH.astype(self.k_LBSKH.dtype), self.lengths_B),
+            v_LBSKH=write_B(self.v_LBSKH, v_LBTKH.astype(self.v_LBSKH.dtype), self.lengths_B),
+        )
+
+    def gather_commit(self, index_BA, count_B) -> "KVCache":
+        """Commit `count_B` of the slots written by the last forward.
+
+        index_BA[b, a] (a < count_B[b]) is the offset, relative to `lengths`, of
+        the slot that becomes committed slot lengths + a: for a verified tree,
+        the accepted nodes in root-to-leaf order. Entries a >= count_B are
+        ignored. Reads happen before writes (functional update), so any order
+        of offsets is safe.
+        """
+        A = index_BA.shape[1]
+        slot_A = jnp.arange(A)
+
+        def one(cache_LSKH, idx_A, start, count):
+            window_LAKH = jnp.take(cache_LSKH, start + idx_A, axis=1, mode="clip")
+            dest_A = jnp.where(slot_A < count, start + slot_A, cache_LSKH.shape[1])
+            return cache_LSKH.at[:, dest_A].set(window_LAKH, mode="drop")
+
+        move_B = jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)
+        return self.replace(
+            k_LBSKH=move_B(self.k_LBSKH, index_BA, self.lengths_B, count_B),
+            v_LBSKH=move_B(self.v_LBSKH, index_BA, self.lengths_B, count_B),
+            lengths_B=self.lengths_B + count_B,
+        )
