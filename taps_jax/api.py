@@ -87,10 +87,15 @@ class Target:
         """
         check_lengths(max_new_tokens)
         sampling = SamplingConfig(temperature, top_k, top_p)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0):
+            raise ValueError(f"capacity must be a positive integer (KV-cache slots per sequence) or None, got {capacity!r}")
         ids = self.encode(prompts)
-        capacity = capacity or bucket(max(map(len, ids)) + max_new_tokens)
+        if capacity is None:
+            capacity = bucket(max(map(len, ids)) + max_new_tokens)
         prompt, lens, active = pad_batch(ids, capacity)
-        config = DecodeConfig(max_new_tokens, capacity, sampling, self.eos_ids if stop_at_eos else ())
+        config = DecodeConfig(max_new_tokens, int(capacity), sampling, self.eos_ids if stop_at_eos else ())
         out, n, finish = ar_generate(
             self.graphdef, self.params, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active),
             jax.random.key(seed), config=config,

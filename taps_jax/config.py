@@ -71,3 +71,104 @@ class ModelConfig:
 
     def replace(self, **kwargs) -> "ModelConfig":
         return dataclasses.replace(self, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash-style block-diffusion drafter (Qwen3-style layers, no embedding or head).
+
+    It reads the target's tap features (the OUTPUTS of `target_layer_ids`)
+    and the target's token embeddings, so its width must equal the target's.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # Kb; the drafter proposes H = block_size - 1 tokens per round
+    mask_token_id: int  # a row of the TARGET's embedding table
+    target_layer_ids: tuple[int, ...]  # 0-based target layers whose outputs are tapped
+    num_target_layers: int
+    vocab_size: int
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    dtype: str = "float32"  # parameter and activation dtype
+
+    def __post_init__(self):
+        # Tuples keep the config hashable (a list from JSON would not be).
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "num_target_layers", "vocab_size")
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"drafter {name} must be a positive integer, got {value!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(
+                f"drafter block_size must be an integer >= 2 (one anchor plus at least one drafted "
+                f"position), got {self.block_size!r}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"drafter num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"drafter head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.target_layer_ids:
+            raise ValueError("drafter target_layer_ids is empty; name at least one target layer to tap")
+        bad = [i for i in self.target_layer_ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+        if bad:
+            raise ValueError(f"drafter target_layer_ids must be non-negative integers, got {bad}")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"drafter target_layer_ids has duplicates: {list(self.target_layer_ids)}")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise ValueError(f"drafter mask_token_id must be a non-negative integer, got {self.mask_token_id!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def num_drafted(self) -> int:
+        """H: positions proposed per round (block slot 0 is the anchor)."""
+        return self.block_size - 1
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **kwargs) -> "DrafterConfig":
+        return dataclasses.replace(self, **kwargs)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise ValueError if this drafter cannot run on `target`."""
+        if self.hidden_size != target.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size={self.hidden_size} differs from the target's hidden_size="
+                f"{target.hidden_size}; the drafter consumes the target's embeddings and tap "
+                f"features, so use a drafter trained for this target"
+            )
+        if self.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"drafter vocab_size={self.vocab_size} differs from the target's vocab_size="
+                f"{target.vocab_size}; use a drafter trained for this target"
+            )
+        too_deep = [i for i in self.target_layer_ids if i >= target.num_layers]
+        if too_deep:
+            raise ValueError(
+                f"drafter target_layer_ids {too_deep} do not exist in the target, which has "
+                f"{target.num_layers} layers (ids 0..{target.num_layers - 1}); use a drafter "
+                f"trained for this target"
+            )
+        if self.num_target_layers != target.num_layers:
+            raise ValueError(
+                f"drafter was trained for a target with num_target_layers={self.num_target_layers}, "
+                f"but this target has {target.num_layers} layers; use a drafter trained for this target"
+            )
+        if self.mask_token_id >= target.vocab_size:
+            raise ValueError(
+                f"drafter mask_token_id={self.mask_token_id} is outside the target's embedding table "
+                f"(vocab_size={target.vocab_size}); fix dflash_config.mask_token_id"
+            )

@@ -71,18 +71,37 @@ def write_tensors(path: Path, tensors: dict[str, np.ndarray], max_shard_bytes: i
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
+    stale = _weight_files(path)  # a previous save here, in either layout
     with _host():
         if len(shards) == 1:
             _atomic_save(shards[0], path / SINGLE_NAME)
-            return
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_save(shard, path / fname)
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.nbytes for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / INDEX_NAME).write_text(json.dumps(index, indent=2))
+            keep = {SINGLE_NAME}
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                _atomic_save(shard, path / fname)
+                weight_map.update({name: fname for name in shard})
+            total = sum(t.nbytes for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (path / INDEX_NAME).write_text(json.dumps(index, indent=2))
+            keep = {INDEX_NAME, *weight_map.values()}
+    # Remove what the new save did not rewrite: a stale index would otherwise
+    # win over a fresh model.safetensors and silently load the old weights.
+    # The index goes first, so an interruption never leaves it pointing at nothing.
+    for name in sorted(stale - keep, key=lambda n: n != INDEX_NAME):
+        (path / name).unlink(missing_ok=True)
+
+
+def _weight_files(path: Path) -> set[str]:
+    """Names of the weight files (and index) a checkpoint dir holds now."""
+    names = {n for n in (SINGLE_NAME, INDEX_NAME) if (path / n).is_file()}
+    if INDEX_NAME in names:
+        try:
+            names |= set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return names
 
 
 def _atomic_save(tensors: dict[str, np.ndarray], file: Path) -> None:
@@ -153,3 +172,13 @@ def load_module(
     for (path, var), leaf in zip(flat, leaves):
         var.set_value(leaf)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def param_shapes(module: nnx.Module, prefix_of: Callable[[tuple], str]) -> dict[str, tuple]:
+    """HF tensor names and HF-layout shapes of a module's params (abstract modules too)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        name, transpose = hf_name(path, prefix_of(path))
+        shape = tuple(var.get_value().shape)
+        out[name] = shape[::-1] if transpose else shape
+    return out

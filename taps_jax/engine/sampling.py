@@ -35,7 +35,7 @@ class SamplingConfig:
 def filtered_logits(logits_XV, config: SamplingConfig):
     """Logits after temperature, top-k and top-p; removed tokens get -inf."""
     logits_XV = logits_XV.astype(jnp.float32) / config.temperature
-    if config.top_k:
+    if 0 < config.top_k < logits_XV.shape[-1]:  # top_k >= vocab keeps everything
         kth_X1 = jax.lax.top_k(logits_XV, config.top_k)[0][..., -1:]
         logits_XV = jnp.where(logits_XV < kth_X1, -jnp.inf, logits_XV)
     if config.top_p < 1.0:

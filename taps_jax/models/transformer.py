@@ -133,7 +133,8 @@ class Transformer(nnx.Module):
             new_k.append(k)
             new_v.append(v)
             if i in taps:
-                tap_outputs.append(x_BTD)
+                # HF hidden_states[L] (what DFlash reads) is the final-normed output of the last layer.
+                tap_outputs.append(self.norm(x_BTD) if i == c.num_layers - 1 else x_BTD)
         if cache is not None:
             cache = cache.write(jnp.stack(new_k), jnp.stack(new_v))
         taps_BTF = None

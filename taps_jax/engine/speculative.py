@@ -1,0 +1,159 @@
+"""Speculative decoding: prefill + ONE `lax.while_loop` over draft/verify rounds.
+
+One round, per sequence (all batched, static shapes, on device):
+  draft (drafter on [bonus, MASK x H]) -> tree (policy: lattice, pool,
+  q_cond, reach, select) -> verify (one target forward over the tree with an
+  ancestor mask) -> sample the target at every node -> acceptance walk ->
+  commit (gather accepted K/V, emit tokens, keep their tap features).
+Every emitted token is a target sample given its exact prefix, so the output
+follows the target's distribution at any temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from taps_jax.engine.ar import DecodeConfig
+from taps_jax.engine.prefill import RUNNING, prefill, stop_reason
+from taps_jax.engine.sampling import sample
+from taps_jax.models.cache import KVCache
+from taps_jax.models.drafter import DrafterCache, draft_logits
+from taps_jax.tree.accept import accept_walk
+from taps_jax.tree.policies import TreeConfig, draft_tree
+from taps_jax.tree.select import ancestor_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static settings of one speculative generate call."""
+
+    decode: DecodeConfig
+    tree: TreeConfig
+
+
+@flax.struct.dataclass
+class SpecState:
+    cache: KVCache  # target K/V; lengths = committed tokens
+    dcache: DrafterCache  # drafter context K/V; lengths == cache.lengths after append
+    ctx_taps_BAF: jax.Array  # [B, A, n_taps*D] tap features of last round's committed tokens
+    ctx_count_B: jax.Array  # [B] how many of them are valid
+    bonus_B: jax.Array  # [B] pending token: emitted, not yet processed by the target
+    out_BN: jax.Array  # [B, N + A] emitted tokens (headroom for one full round)
+    generated_B: jax.Array  # [B] tokens emitted so far
+    finish_B: jax.Array  # [B] RUNNING, EOS, LENGTH, CAPACITY (-1: padded batch slot)
+    rounds_B: jax.Array  # [B] rounds in which the sequence was running
+    accepted_BR: jax.Array  # [B, R] accepted length (root included) of each round
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config"))
+def spec_generate(
+    target_graphdef, target_params, drafter_graphdef, drafter_params,
+    prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
+):
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R])."""
+    target = nnx.merge(target_graphdef, target_params)
+    drafter = nnx.merge(drafter_graphdef, drafter_params)
+    dc, tc = config.decode, config.tree
+    B = prompt_BT.shape[0]
+    N = dc.max_new_tokens
+    Kb = drafter.config.block_size
+    H = Kb - 1
+    T = tc.tree_size(H)
+    A = min(H + 1, T)  # accepted path length bound
+    taps = drafter.config.target_layer_ids
+    batch_B = jnp.arange(B)
+
+    # Prefill: the prompt fills the target cache and the drafter's context.
+    logits_BV, prompt_taps_BTF, cache = prefill(target, prompt_BT, prompt_len_B, dc.capacity, taps)
+    dcache = DrafterCache.zeros(drafter.config, B, dc.capacity)
+    dcache = drafter.append_context(prompt_taps_BTF, prompt_len_B, dcache)
+    key, sub = jax.random.split(key)
+    bonus_B = sample(logits_BV, sub, dc.sampling)
+    generated_B = jnp.ones((B,), jnp.int32)
+    finish_B = stop_reason(bonus_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
+    state = SpecState(
+        cache=cache,
+        dcache=dcache,
+        ctx_taps_BAF=jnp.zeros((B, A, prompt_taps_BTF.shape[-1]), prompt_taps_BTF.dtype),
+        ctx_count_B=jnp.zeros((B,), jnp.int32),
+        bonus_B=bonus_B,
+        out_BN=jnp.zeros((B, N + A), jnp.int32).at[:, 0].set(bonus_B),
+        generated_B=generated_B,
+        finish_B=jnp.where(active_B, finish_B, -1),
+        rounds_B=jnp.zeros((B,), jnp.int32),
+        accepted_BR=jnp.zeros((B, N), jnp.int32),
+        key=key,
+    )
+
+    def round_(s: SpecState) -> SpecState:
+        running_B = s.finish_B == RUNNING
+        length_B = s.cache.lengths_B
+
+        # 1. Draft: add last round's context, then one non-causal block pass.
+        dcache = drafter.append_context(s.ctx_taps_BAF, s.ctx_count_B, s.dcache)
+        mask_id = drafter.config.mask_token_id
+        block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, H), mask_id, jnp.int32)], axis=1)
+        block_pos_BK = length_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
+        draft_BHV, _ = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+
+        # 2. Tree: the policy picks T - 1 nodes; the root is the bonus token.
+        tree, _ = draft_tree(tc, draft_BHV, s.bonus_B)
+
+        # 3. Verify: one target forward over the tree (ancestor-only mask).
+        positions_BT = length_B[:, None] + tree.depths_BT
+        logits_BTV, taps_BTF, cache = target(tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, taps)
+
+        # 4. Accept: sample the target once at every node, walk the tree.
+        key, sub = jax.random.split(s.key)
+        target_BT = sample(logits_BTV, sub, dc.sampling)
+        acc = accept_walk(tree, target_BT, max_depth=A - 1)
+        a_B = acc.num_accepted_B
+
+        # 5. Emit: the accepted drafted tokens, then the new bonus; stop at EOS / length.
+        path_BA = acc.path_BA[:, :A]
+        drafted_BA = jnp.take_along_axis(tree.tokens_BT, path_BA, axis=1)
+        # emit[i] = token of path node i+1 for i < a-1, the bonus at i = a-1.
+        next_BA = jnp.concatenate([drafted_BA[:, 1:], drafted_BA[:, -1:]], axis=1)
+        emit_BA = jnp.where(jnp.arange(A)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
+        in_round_BA = jnp.arange(A)[None] < a_B[:, None]
+        is_eos_BA = jnp.isin(emit_BA, jnp.asarray(dc.eos_ids or (-1,), jnp.int32)) & in_round_BA
+        hit_eos_B = jnp.any(is_eos_BA, axis=1)
+        n_emit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BA, axis=1) + 1, a_B)
+        n_emit_B = jnp.minimum(n_emit_B, N - s.generated_B)
+        n_emit_B = jnp.where(running_B, n_emit_B, 0)
+        dest_BA = jnp.where(jnp.arange(A)[None] < n_emit_B[:, None], s.generated_B[:, None] + jnp.arange(A), N + A)
+        out_BN = s.out_BN.at[batch_B[:, None], dest_BA].set(emit_BA, mode="drop")
+        generated_B = s.generated_B + n_emit_B
+
+        # 6. Commit: accepted K/V into [len, len + a); their taps feed the next draft.
+        commit_B = jnp.where(running_B, a_B, 0)
+        cache = cache.gather_commit(path_BA, commit_B)
+        ctx_taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1)
+
+        last_B = out_BN[batch_B, jnp.maximum(generated_B - 1, 0)]
+        reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
+        finish_B = jnp.where(running_B, reason_B, s.finish_B)
+        accepted_BR = s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(a_B, mode="drop")
+        return SpecState(
+            cache=cache,
+            dcache=dcache,
+            ctx_taps_BAF=ctx_taps_BAF.astype(s.ctx_taps_BAF.dtype),
+            ctx_count_B=commit_B,
+            bonus_B=jnp.where(running_B, acc.bonus_token_B, s.bonus_B),
+            out_BN=out_BN,
+            generated_B=generated_B,
+            finish_B=finish_B,
+            rounds_B=s.rounds_B + running_B,
+            accepted_BR=accepted_BR,
+            key=key,
+        )
+
+    state = jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), round_, state)
+    return state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR

@@ -1,0 +1,223 @@
+"""DFlash-style block-diffusion drafter (checkpoint-compatible with DFlashDraftModel).
+
+The drafter has no embedding or head of its own: a block [anchor, MASK x H]
+is embedded with the TARGET's table, runs through a few Qwen3-style layers
+non-causally, and the final-normed hidden states go through the TARGET's
+lm_head. Block slot k predicts the token at position anchor + k (no shift).
+
+Context comes from the target: the outputs of `target_layer_ids`,
+concatenated, then `fc` + `hidden_norm`. The fused context is extra keys and
+values in every layer (it skips the layer's input norm) and is never a query.
+Because context K/V depend only on the context, they are cached
+(`DrafterCache`); block K/V never are.
+
+All attention goes through `Drafter.forward_masked`, which takes a general
+visibility mask over [context; block] keys: inference uses "all valid context
++ the whole block", training uses an anchor-keyed mask (DESIGN 4).
+Attribute names follow the checkpoint (fc, hidden_norm, layers.{i}..., norm).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from taps_jax.config import DrafterConfig
+from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, linear, rope_inv_freq
+
+
+@flax.struct.dataclass
+class DrafterCache:
+    """Per-layer K/V of the fused context only; slot c of sequence b holds position c.
+
+    Slots [0, lengths[b]) are valid and equal the target's committed tokens
+    (the drafter has seen the tap features of all of them).
+    """
+
+    k_LBCKH: jax.Array  # [drafter layers, batch, capacity, kv_heads, head_dim]
+    v_LBCKH: jax.Array  # [drafter layers, batch, capacity, kv_heads, head_dim]
+    lengths_B: jax.Array  # [batch] int32, context tokens cached
+
+    @classmethod
+    def zeros(cls, config: DrafterConfig, batch: int, capacity: int) -> "DrafterCache":
+        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+        return cls(
+            k_LBCKH=jnp.zeros(shape, config.jnp_dtype),
+            v_LBCKH=jnp.zeros(shape, config.jnp_dtype),
+            lengths_B=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.k_LBCKH.shape[2]
+
+    def write(self, k_LBTKH, v_LBTKH) -> "DrafterCache":
+        """Write T new context K/V at slots [lengths, lengths + T); past capacity is dropped."""
+        T = k_LBTKH.shape[2]
+
+        def one(cache_LCKH, new_LTKH, start):
+            return cache_LCKH.at[:, start + jnp.arange(T)].set(new_LTKH, mode="drop")
+
+        write_B = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)
+        return self.replace(
+            k_LBCKH=write_B(self.k_LBCKH, k_LBTKH.astype(self.k_LBCKH.dtype), self.lengths_B),
+            v_LBCKH=write_B(self.v_LBCKH, v_LBTKH.astype(self.v_LBCKH.dtype), self.lengths_B),
+        )
+
+
+class DrafterAttention(nnx.Module):
+    """Qwen3 attention whose keys/values are [context; block] and queries the block only."""
+
+    def __init__(self, config: DrafterConfig, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, bias=False, dtype=dt, rngs=rngs)
+        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dt, rngs=rngs)
+        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False, dtype=dt, rngs=rngs)
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dt, rngs=rngs)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
+
+    def key_value(self, x_BTD, positions_BT, inv_freq):
+        """Rotated k and v [B, T, K, H] of context or block tokens (same weights for both)."""
+        B, T, _ = x_BTD.shape
+        k = self.k_norm(self.k_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, positions_BT, inv_freq), v
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
+        """x_BTD: normed block states; mask_BTR over R = S context + T block keys."""
+        B, T, _ = x_BTD.shape
+        q = self.q_norm(self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim))
+        q = apply_rope(q, positions_BT, inv_freq)
+        k, v = self.key_value(x_BTD, positions_BT, inv_freq)
+        keys = jnp.concatenate([ctx_k_BSKH.astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([ctx_v_BSKH.astype(v.dtype), v], axis=1)
+        out_BTNH = attend(q, keys, values, mask_BTR)
+        return self.o_proj(out_BTNH.reshape(B, T, -1))
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, config: DrafterConfig, rngs: nnx.Rngs):
+        dt = config.jnp_dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.self_attn = DrafterAttention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
+        h = self.input_layernorm(x_BTD)
+        x_BTD = x_BTD + self.self_attn(h, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR)
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+
+
+class Drafter(nnx.Module):
+    def __init__(self, config: DrafterConfig, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        self.config = config
+        n_taps = len(c.target_layer_ids)
+        self.fc = linear(n_taps * c.hidden_size, c.hidden_size, bias=False, dtype=dt, rngs=rngs)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt)
+        self.layers = nnx.List([DrafterLayer(c, rngs) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt)
+
+    def _inv_freq(self):
+        c = self.config
+        return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def fuse(self, taps_BCF):
+        """Concatenated tap features [B, C, n_taps*D] -> fused context [B, C, D]."""
+        return self.hidden_norm(self.fc(taps_BCF.astype(self.config.jnp_dtype)))
+
+    def context_kv(self, taps_BCF, ctx_positions_BC):
+        """Per-layer context K/V [L, B, C, K, H] of raw tap features at their positions."""
+        inv_freq = self._inv_freq()
+        ctx_BCD = self.fuse(taps_BCF)
+        ks, vs = zip(*(layer.self_attn.key_value(ctx_BCD, ctx_positions_BC, inv_freq) for layer in self.layers))
+        return jnp.stack(ks), jnp.stack(vs)
+
+    def _run(self, x_BTD, positions_BT, ctx_k_LBSKH, ctx_v_LBSKH, mask_BTR):
+        """The layer stack + final norm, given every layer's context K/V and the visibility mask."""
+        inv_freq = self._inv_freq()
+        x_BTD = x_BTD.astype(self.config.jnp_dtype)
+        for i, layer in enumerate(self.layers):
+            x_BTD = layer(x_BTD, positions_BT, inv_freq, ctx_k_LBSKH[i], ctx_v_LBSKH[i], mask_BTR)
+        return self.norm(x_BTD)
+
+    def append_context(self, taps_BCF, count_B, cache: DrafterCache) -> DrafterCache:
+        """Add new context tokens to the cache.
+
+        taps_BCF: target tap features [B, C, n_taps*D] of the tokens committed
+        since the last call (C static, right-padded; the first count_B[b] are
+        valid). They sit at absolute positions lengths + c. All C are written
+        at slots [lengths, lengths + C) (dropped past capacity); the padding
+        lands beyond the new lengths, so it stays invisible and is overwritten
+        by the next call. lengths += count_B.
+        """
+        B, C, _ = taps_BCF.shape
+        positions_BC = cache.lengths_B[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+        k_LBCKH, v_LBCKH = self.context_kv(taps_BCF, positions_BC)
+        cache = cache.write(k_LBCKH, v_LBCKH)
+        return cache.replace(lengths_B=cache.lengths_B + count_B.astype(cache.lengths_B.dtype))
+
+    def __call__(self, block_embeds_BKD, block_positions_BK, cache: DrafterCache):
+        """Run a block non-causally against the cached context.
+
+        block_embeds_BKD: the block embedded with the target's table;
+        block_positions_BK: its absolute positions (normally lengths + k).
+        Queries come from the block only; keys/values are the cached context
+        slots < lengths plus the whole block, with no mask among block tokens.
+        Returns the final-normed hidden states [B, Kb, D]; apply the target's
+        lm_head (see `draft_logits`).
+        """
+        B, K, _ = block_embeds_BKD.shape
+        valid_BC = jnp.arange(cache.capacity)[None, :] < cache.lengths_B[:, None]
+        mask_BKR = jnp.concatenate(
+            [jnp.broadcast_to(valid_BC[:, None, :], (B, K, cache.capacity)), jnp.ones((B, K, K), bool)], axis=-1
+        )
+        return self._run(block_embeds_BKD, block_positions_BK, cache.k_LBCKH, cache.v_LBCKH, mask_BKR)
+
+    def forward_masked(self, block_embeds_BTD, block_positions_BT, taps_BCF, ctx_positions_BC, mask_BTR):
+        """The general forward: T block tokens against C context tokens, any visibility.
+
+        mask_BTR: bool [B, T, C + T], which [context; block] keys each block
+        token sees. For training, T holds many anchor blocks side by side and
+        the mask is keyed on anchor positions (block j sees context positions
+        < anchor_j and its own block only). Every row should see at least one
+        key. Returns final-normed hidden states [B, T, D].
+        """
+        C, T = taps_BCF.shape[1], block_embeds_BTD.shape[1]
+        if mask_BTR.shape[-2:] != (T, C + T):
+            raise ValueError(
+                f"mask must be [B, {T}, {C + T}] over [context; block] keys, got {tuple(mask_BTR.shape)}"
+            )
+        k_LBCKH, v_LBCKH = self.context_kv(taps_BCF, ctx_positions_BC)
+        return self._run(block_embeds_BTD, block_positions_BT, k_LBCKH, v_LBCKH, mask_BTR)
+
+    def forward_uncached(self, block_embeds_BKD, block_positions_BK, taps_BCF, ctx_positions_BC, ctx_valid_BC):
+        """Same as `__call__` without a cache: context given as raw tap features.
+
+        ctx_valid_BC (bool) hides context padding. For parity tests and notebooks.
+        """
+        B, K, _ = block_embeds_BKD.shape
+        C = taps_BCF.shape[1]
+        mask_BKR = jnp.concatenate(
+            [jnp.broadcast_to(ctx_valid_BC[:, None, :], (B, K, C)), jnp.ones((B, K, K), bool)], axis=-1
+        )
+        return self.forward_masked(block_embeds_BKD, block_positions_BK, taps_BCF, ctx_positions_BC, mask_BKR)
+
+
+def draft_logits(drafter: Drafter, target, block_tokens_BK, block_positions_BK, cache: DrafterCache):
+    """Drafter proposals for one round.
+
+    target: the target `Transformer` (its embedding table and lm_head are
+    shared with the drafter). block_tokens_BK: [anchor, MASK x H].
+    Returns (logits [B, H, V] float32, hidden [B, H, D]) of block slots
+    1..Kb-1; slot k predicts the token at position block_positions[:, 0] + k.
+    """
+    embeds_BKD = target.embed(block_tokens_BK)
+    hidden_BKD = drafter(embeds_BKD, block_positions_BK, cache)
+    hidden_BHD = hidden_BKD[:, 1:]
+    return target.unembed(hidden_BHD).astype(jnp.float32), hidden_BHD

@@ -1,0 +1,119 @@
+"""Shared tiny-model fixtures: checkpoints written by `transformers.save_pretrained`.
+
+Everything is float32 and seeded, so the tests are deterministic. The device
+count is left alone here (a later conftest may set `jax_num_cpu_devices`
+before JAX initialises).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Tiny shapes shared by every family: GQA with 4 query heads over 2 kv heads.
+TINY = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,  # larger than the default so logits are not all ~0
+)
+
+# Llama 3 rope scaling with a small original context, so positions ~40 are
+# well past it and the scaled frequencies matter.
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=16, rope_theta=10000.0,
+)
+
+# name -> (family, tie_word_embeddings, extra config kwargs)
+SPECS = {
+    "qwen3": ("qwen3", False, dict(head_dim=16)),
+    "qwen3_tied": ("qwen3", True, dict(head_dim=16)),
+    "llama3": ("llama", False, dict(hidden_size=64, rope_parameters=LLAMA3_ROPE)),
+    "qwen2_tied": ("qwen2", True, dict()),
+}
+
+
+def _hf_classes(family):
+    import transformers
+
+    return {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+
+
+def build_hf_model(family: str, tie: bool, seed: int = 0, **overrides):
+    """A random tiny HF model (torch, float32, eager attention).
+
+    Norm weights and biases are moved away from their defaults (1 and 0) so
+    a loader that dropped them would fail the parity tests.
+    """
+    import torch
+
+    config_cls, model_cls = _hf_classes(family)
+    kwargs = {**TINY, **overrides}
+    config = config_cls(tie_word_embeddings=tie, **kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """[T] token ids -> [T, V] float32 logits from the torch model."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(ids)[None], dtype=torch.long)).logits
+    return out[0].float().numpy()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: name in SPECS -> (checkpoint dir, torch model); built once per session."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in made:
+            family, tie, extra = SPECS[name]
+            model = build_hf_model(family, tie, seed=len(made) + 1, **extra)
+            path = tmp_path_factory.mktemp(f"hf_{name}")
+            model.save_pretrained(path)
+            made[name] = (path, model)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(hf_checkpoint) -> Path:
+    """A transformers-saved tiny Qwen3 (q/k norm, GQA 4/2, untied head, vocab 100)."""
+    return hf_checkpoint("qwen3")[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(hf_checkpoint):
+    """The torch model behind `tiny_target_dir`."""
+    return hf_checkpoint("qwen3")[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    """`taps_jax.load_target(tiny_target_dir)` (float32)."""
+    import taps_jax
+
+    return taps_jax.load_target(tiny_target_dir)

@@ -1,0 +1,30 @@
+"""Tiny random target + drafter pairs shared by the speculative-engine tests."""
+
+from __future__ import annotations
+
+import functools
+
+from flax import nnx
+
+from taps_jax.api import Target
+from taps_jax.config import DrafterConfig, ModelConfig
+from taps_jax.decoder import DrafterModel
+from taps_jax.models.drafter import Drafter
+from taps_jax.models.transformer import Transformer
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_pair(vocab: int = 16, block_size: int = 8, seed: int = 0, eos: tuple[int, ...] = ()):
+    """A random 2-layer target and a 1-layer drafter tapping layers (0, 1).
+
+    A small vocabulary makes random drafts agree with the target often, so
+    rounds accept several tokens and the commit path is exercised.
+    """
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    target = Target(Transformer(cfg, nnx.Rngs(seed)), None, eos)
+    dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=8, block_size=block_size, mask_token_id=vocab - 1,
+                         target_layer_ids=(0, 1), num_target_layers=2, vocab_size=vocab, rope_theta=10000.0)
+    drafter = DrafterModel(Drafter(dcfg, nnx.Rngs(seed + 1)))
+    return target, drafter

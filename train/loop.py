@@ -1,0 +1,407 @@
+"""A small, reusable training loop: AdamW + warmup/cosine, jitted step, eval, orbax.
+
+Used by target pretraining (`train.target`) and meant to be reused by the
+drafter-distillation and scorer-training loops. Everything model-specific
+lives in a `loss_fn(params, batch) -> (loss, metrics)` closure; the loop only
+knows pytrees:
+
+    state = TrainState.create(params, optimizer)          # step, params, opt_state
+    step_fn = make_train_step(loss_fn, optimizer)          # jitted, state donated
+    result = run(LoopConfig(...), state, step_fn, batch_at, eval_fn, ...)
+
+The batch is whatever `batch_at(step)` returns (arrays with a leading batch
+axis); the step is written on whole arrays (no per-example Python), so the
+batch axis can later be sharded over a mesh by placing the batch with a
+NamedSharding before the call.
+
+Resumability: `batch_at` must be a pure function of the step (see
+`train.packing.PackedBatches.batch_at`), the optimizer state and step live in
+the checkpoint, and there is no RNG in the step; so restoring checkpoint k and
+running step k gives bit-identical results to an uninterrupted run.
+
+Outputs under `out_dir`:
+    checkpoints/<step>/   orbax CheckpointManager, keeps the last `keep`
+    best/<step>/          params of the best validation loss (keeps 1)
+    metrics.csv           step,split,loss,lr,grad_norm,tokens_per_s,elapsed_s
+    loss.png              train/val loss curves (redrawn at each eval)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict]]
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay to `min_lr_ratio * lr`, global-norm clipping."""
+
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+    def schedule(self) -> optax.Schedule:
+        warmup = max(1, min(self.warmup_steps, self.total_steps - 1))
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=self.lr, warmup_steps=warmup,
+            decay_steps=max(self.total_steps, warmup + 1), end_value=self.lr * self.min_lr_ratio,
+        )
+
+
+def decay_mask(params: PyTree) -> PyTree:
+    """Weight decay on matrices only (not on norms' gains or biases)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(
+            config.schedule(), b1=config.b1, b2=config.b2, eps=config.eps,
+            weight_decay=config.weight_decay, mask=decay_mask,
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- state and step
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # [] int32: the number of optimizer updates applied
+    params: PyTree
+    opt_state: PyTree
+
+    @classmethod
+    def create(cls, params: PyTree, optimizer: optax.GradientTransformation) -> "TrainState":
+        return cls(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation):
+    """jitted (state, batch) -> (state, metrics); the input state is donated."""
+
+    def train_step(state: TrainState, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_fn(loss_fn: LossFn, batches: Sequence[PyTree]) -> Callable[[PyTree], float]:
+    """params -> mean loss over fixed batches (all batches have the same shape)."""
+    step = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
+
+    def evaluate(params) -> float:
+        losses = [step(params, b) for b in batches]  # dispatched asynchronously
+        return float(np.mean(jax.device_get(losses))) if losses else float("nan")
+
+    return evaluate
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _key_name(entry) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def flatten(tree: PyTree) -> dict[str, Any]:
+    """{'a.b.0.c': leaf} — plain names, so any pytree (nnx.State, optax states) checkpoints the same way."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = ".".join(_key_name(e) for e in path) or "_"
+        if name in flat:
+            raise ValueError(f"two leaves of the train state flatten to the same name {name!r}")
+        flat[name] = leaf
+    return flat
+
+
+def unflatten(template: PyTree, flat: dict[str, Any]) -> PyTree:
+    names = list(flatten(template))
+    missing = [n for n in names if n not in flat]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} entries of the train state, e.g. {missing[:3]}; "
+                         "was it written for another model or optimizer config?")
+    return jax.tree.unflatten(jax.tree.structure(template), [flat[n] for n in names])
+
+
+class Checkpointer:
+    """Last-N train-state checkpoints plus the best-validation params, via orbax."""
+
+    def __init__(self, out_dir: str | Path, keep: int = 3):
+        out_dir = Path(out_dir).absolute()
+        opts = dict(create=True, enable_async_checkpointing=False)
+        self.latest = ocp.CheckpointManager(
+            out_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=keep, **opts)
+        )
+        self.best = ocp.CheckpointManager(
+            out_dir / "best", options=ocp.CheckpointManagerOptions(max_to_keep=1, **opts)
+        )
+
+    def save(self, state: TrainState, meta: dict) -> None:
+        step = int(state.step)
+        if step in self.latest.all_steps():
+            return
+        self.latest.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(flatten(state)), meta=ocp.args.JsonSave(meta)))
+        self.latest.wait_until_finished()
+
+    def save_best(self, step: int, params: PyTree, meta: dict) -> None:
+        for old in self.best.all_steps():  # a later step may re-save an equal-step best after resume
+            if old >= step:
+                self.best.delete(old)
+        self.best.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(flatten(params)), meta=ocp.args.JsonSave(meta)))
+        self.best.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        return self.latest.latest_step()
+
+    def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        step = self.latest.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"no checkpoint to resume from under {self.latest.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, flatten(template))
+        got = self.latest.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        return unflatten(template, got["state"]), dict(got["meta"])
+
+    def restore_best(self, template_params: PyTree) -> tuple[PyTree, dict] | None:
+        step = self.best.latest_step()
+        if step is None:
+            return None
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, flatten(template_params))
+        got = self.best.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        return unflatten(template_params, got["params"]), dict(got["meta"])
+
+    def close(self) -> None:
+        self.latest.close()
+        self.best.close()
+
+
+# --------------------------------------------------------------------------- metrics log
+
+
+FIELDS = ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+
+
+class MetricsLog:
+    """Append-only CSV (kept consistent on resume) and a PNG of the loss curves."""
+
+    def __init__(self, out_dir: Path, resume_step: int | None):
+        self.csv_path = out_dir / "metrics.csv"
+        self.png_path = out_dir / "loss.png"
+        rows = []
+        if resume_step is not None and self.csv_path.exists():
+            with self.csv_path.open() as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        self.rows = rows
+        with self.csv_path.open("w", newline="") as f:
+            w = csv.DictWriter(f, FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+
+    def add(self, **row) -> None:
+        row = {k: row.get(k, "") for k in FIELDS}
+        self.rows.append(row)
+        with self.csv_path.open("a", newline="") as f:
+            csv.DictWriter(f, FIELDS).writerow(row)
+
+    def plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for split, style in (("train", "-"), ("val", "o-")):
+            pts = [(int(r["step"]), float(r["loss"])) for r in self.rows if r["split"] == split]
+            if pts:
+                ax.plot(*zip(*pts), style, label=split, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp = self.png_path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        os.replace(tmp, self.png_path)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    total_steps: int
+    tokens_per_step: int  # for tokens/s
+    log_every: int = 10
+    eval_every: int = 250  # 0: only at the end
+    checkpoint_every_s: float = 600.0  # wall-clock; also saved at the end and on Ctrl-C / SIGTERM
+    checkpoint_every: int = 0  # steps; 0: time-based only
+    keep: int = 3
+
+
+@dataclasses.dataclass
+class LoopResult:
+    state: TrainState
+    best_params: PyTree | None  # None when no evaluation ran
+    best_val: float
+    best_step: int
+    history: list[dict]
+
+
+def _lr_at(optim: OptimConfig | None, step: int) -> float:
+    return float(optim.schedule()(step)) if optim is not None else float("nan")
+
+
+def run(
+    config: LoopConfig,
+    state: TrainState,
+    train_step,
+    batch_at: Callable[[int], PyTree],
+    out_dir: str | Path,
+    *,
+    evaluate: Callable[[PyTree], float] | None = None,
+    resume: bool = False,
+    meta: dict | None = None,
+    optim: OptimConfig | None = None,
+    desc: str = "train",
+) -> LoopResult:
+    """Train from `state` (or the latest checkpoint if resume) to config.total_steps."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(out_dir, config.keep)
+    best_val, best_step = math.inf, -1
+    if resume and ckpt.latest_step() is not None:
+        state, saved = ckpt.restore(state)
+        best_val, best_step = saved.get("best_val", math.inf), saved.get("best_step", -1)
+        tqdm.write(f"resumed from step {int(state.step)} (best val {best_val:.4f} at step {best_step})")
+    elif resume:
+        tqdm.write(f"--resume: no checkpoint under {out_dir / 'checkpoints'}; starting from step 0")
+    start = int(state.step)
+    log = MetricsLog(out_dir, start if resume else None)
+    meta = dict(meta or {})
+
+    def checkpoint():
+        ckpt.save(state, {**meta, "step": int(state.step), "best_val": best_val, "best_step": best_step})
+
+    def do_eval(step: int):
+        nonlocal best_val, best_step
+        val = evaluate(state.params)
+        log.add(step=step, split="val", loss=f"{val:.5f}", lr=f"{_lr_at(optim, step):.3e}",
+                elapsed_s=f"{time.perf_counter() - t0:.1f}")
+        mark = ""
+        if val < best_val:
+            best_val, best_step = val, step
+            ckpt.save_best(step, state.params, {**meta, "step": step, "val_loss": val})
+            mark = " (best)"
+        tqdm.write(f"step {step:6d}  val loss {val:.4f}{mark}")
+        log.plot()
+
+    # SIGTERM (e.g. `kill PID`) becomes KeyboardInterrupt so the state is checkpointed.
+    def _term(signum, frame):
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, _term) if _in_main_thread() else None
+    t0 = t_log = t_ckpt = time.perf_counter()
+    pending: list[dict] = []
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=config.total_steps, initial=start, desc=desc, unit="step", dynamic_ncols=True,
+               mininterval=1.0 if interactive else 60.0, smoothing=0.05)
+    try:
+        for step in range(start, config.total_steps):
+            batch = batch_at(step)
+            state, metrics = train_step(state, batch)
+            pending.append(metrics)
+            bar.update(1)
+            done = step + 1
+            if done % config.log_every == 0 or done == config.total_steps:
+                got = jax.device_get(pending)  # the one host sync per log interval
+                now = time.perf_counter()
+                tok_s = len(got) * config.tokens_per_step / max(now - t_log, 1e-9)
+                loss = float(np.mean([m["loss"] for m in got]))
+                gnorm = float(np.mean([m["grad_norm"] for m in got]))
+                lr = _lr_at(optim, step)
+                log.add(step=done, split="train", loss=f"{loss:.5f}", lr=f"{lr:.3e}", grad_norm=f"{gnorm:.4f}",
+                        tokens_per_s=f"{tok_s:.0f}", elapsed_s=f"{now - t0:.1f}")
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}", refresh=False)
+                if not interactive:
+                    tqdm.write(f"step {done:6d}  loss {loss:.4f}  gnorm {gnorm:.3f}  lr {lr:.2e}  "
+                               f"{tok_s:,.0f} tok/s  {_eta(bar)}")
+                pending, t_log = [], now
+            if evaluate is not None and config.eval_every and done % config.eval_every == 0 and done != config.total_steps:
+                do_eval(done)
+                t_log = time.perf_counter()  # keep eval time out of tokens/s
+            now = time.perf_counter()
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or (
+                config.checkpoint_every_s and now - t_ckpt >= config.checkpoint_every_s
+            ):
+                checkpoint()
+                t_ckpt = t_log = time.perf_counter()
+        if evaluate is not None and int(state.step) == config.total_steps and best_step != config.total_steps:
+            do_eval(config.total_steps)
+        checkpoint()
+    except KeyboardInterrupt:
+        bar.close()
+        tqdm.write(f"interrupted at step {int(state.step)}: saving a checkpoint, resume with --resume")
+        checkpoint()
+        raise
+    finally:
+        bar.close()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+    best = ckpt.restore_best(state.params) if best_step >= 0 else None
+    ckpt.close()
+    if evaluate is not None:
+        log.plot()
+    return LoopResult(state, best[0] if best else None, best_val, best_step, log.rows)
+
+
+def _eta(bar: tqdm) -> str:
+    rate = bar.format_dict.get("rate")
+    if not rate:
+        return ""
+    left = (bar.total - bar.n) / rate
+    return f"ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
