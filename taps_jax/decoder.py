@@ -21,6 +21,7 @@ from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
 
 POLICIES = ("ar", "chain", "ddtree")
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default"
 
 
 @dataclasses.dataclass
@@ -62,8 +63,15 @@ class SpeculativeDecoder:
     forward per round.
     """
 
-    def __init__(self, target: Target, drafter: DrafterModel, policy: str = "ddtree", budget: int = 32,
+    def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "ddtree", budget: int = 32,
                  lattice_k: int | None = None, beam_width: int | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if drafter is None:
+            if policy != "ar":
+                raise ValueError(f"policy {policy!r} needs a drafter; load one with load_drafter(path) or use policy 'ar'")
+            self.target, self.drafter, self.policy, self.tree = target, None, policy, None
+            return
         drafter.config.check_target(target.config)
         self.target = target
         self.drafter = drafter
@@ -72,8 +80,6 @@ class SpeculativeDecoder:
         if policy != "ar":
             self.tree = tree_config(policy, budget, target.config.vocab_size, lattice_k, beam_width)
             self.tree.validate(drafter.config.block_size - 1, target.config.vocab_size)
-        elif policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self._drafter_graphdef, self._drafter_params = nnx.split(drafter.module)
 
     @property
@@ -119,8 +125,17 @@ class SpeculativeDecoder:
         return self.target._result(np.asarray(out), np.asarray(n), np.asarray(finish), len(ids), stats)
 
 
-def load_model_set(path, dtype: str = "float32") -> tuple[Target, DrafterModel | None]:
-    """A model directory bundling target/ and drafter/ (scorer/ comes with TAPS)."""
+@dataclasses.dataclass
+class ModelSet:
+    """What one model directory bundles: target/, drafter/ and optionally scorer/."""
+
+    target: Target
+    drafter: DrafterModel | None = None
+    scorer: object | None = None
+
+
+def load_model_set(path, dtype: str = "float32") -> ModelSet:
+    """Load a model directory bundling target/, drafter/ (and scorer/ when present)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist")
@@ -128,4 +143,4 @@ def load_model_set(path, dtype: str = "float32") -> tuple[Target, DrafterModel |
         raise ValueError(f"{path}: no target/ subdirectory; a model set holds target/ and drafter/")
     target = load_target(path / "target", dtype)
     drafter = load_drafter(path / "drafter", dtype) if (path / "drafter").is_dir() else None
-    return target, drafter
+    return ModelSet(target, drafter)

@@ -84,7 +84,9 @@ def test_resume_gives_identical_next_step_loss(tmp_path):
 
     # Resumed: a fresh process would build a differently initialised state; restore overwrites it.
     _, _, optim, train_step2, fresh = setup(steps, seed=123)
-    restored, meta = loop.Checkpointer(tmp_path).restore(fresh)
+    ckpt = loop.Checkpointer(tmp_path)
+    restored, meta = ckpt.restore(fresh)
+    ckpt.close()
     assert int(restored.step) == stop and meta["step"] == stop
     _, metrics = train_step2(restored, batches.batch_at(stop))
     assert float(metrics["loss"]) == ref_loss  # bit-identical

@@ -112,7 +112,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return jax.jit(train_step, donate_argnums=0)
@@ -272,7 +272,7 @@ class LoopConfig:
     tokens_per_step: int  # for tokens/s
     log_every: int = 10
     eval_every: int = 250  # 0: only at the end
-    checkpoint_every_s: float = 600.0  # wall-clock; also saved at the end and on Ctrl-C / SIGTERM
+    checkpoint_every_s: float = 600.0  # wall-clock; also saved at the end and on SIGTERM / Ctrl-C
     checkpoint_every: int = 0  # steps; 0: time-based only
     keep: int = 3
 
@@ -334,11 +334,21 @@ def run(
         tqdm.write(f"step {step:6d}  val loss {val:.4f}{mark}")
         log.plot()
 
-    # SIGTERM (e.g. `kill PID`) becomes KeyboardInterrupt so the state is checkpointed.
-    def _term(signum, frame):
-        raise KeyboardInterrupt
+    # SIGTERM (`kill PID`) and Ctrl-C only set a flag; the loop checkpoints after the
+    # current step and raises KeyboardInterrupt. (Raising from the handler could land
+    # between the step call and the assignment, leaving only the donated, deleted state.)
+    # A second Ctrl-C interrupts at once.
+    stop: list[int] = []
 
-    old_term = signal.signal(signal.SIGTERM, _term) if _in_main_thread() else None
+    def _request_stop(signum, frame):
+        if stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.append(signum)
+
+    old_handlers = {}
+    if _in_main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old_handlers[sig] = signal.signal(sig, _request_stop)
     t0 = t_log = t_ckpt = time.perf_counter()
     pending: list[dict] = []
     interactive = sys.stderr.isatty()
@@ -374,18 +384,18 @@ def run(
             ):
                 checkpoint()
                 t_ckpt = t_log = time.perf_counter()
+            if stop:
+                bar.close()
+                checkpoint()
+                tqdm.write(f"stopped by signal {stop[0]} at step {done}: checkpoint saved; continue with --resume")
+                raise KeyboardInterrupt
         if evaluate is not None and int(state.step) == config.total_steps and best_step != config.total_steps:
             do_eval(config.total_steps)
         checkpoint()
-    except KeyboardInterrupt:
-        bar.close()
-        tqdm.write(f"interrupted at step {int(state.step)}: saving a checkpoint, resume with --resume")
-        checkpoint()
-        raise
     finally:
         bar.close()
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
 
     best = ckpt.restore_best(state.params) if best_step >= 0 else None
     ckpt.close()

@@ -1,7 +1,7 @@
 """Pretrain the embedded default target (a small Qwen3) on the packed corpus.
 
     python -m train.target --out runs/default/target_train --preset default [--steps N]
-        [--batch-size B] [--seq-len T] [--lr LR] [--resume] [--bench N]
+        [--batch-size B] [--seq-len T] [--lr LR] [--resume] [--export-only] [--bench N]
 
 A preset is `configs/target_<name>.json` (or a path to such a file) holding
 `model` (ModelConfig fields; vocab_size comes from the tokenizer), `optim`
@@ -13,6 +13,9 @@ validation params), metrics.csv, loss.png, run.json, and at the end export/:
 the best-validation params in the Hugging Face layout (config.json,
 model.safetensors, tokenizer.json, generation_config.json with eos = 0),
 loadable by `taps_jax.load_target` and transformers' AutoModelForCausalLM.
+
+--export-only re-exports the best (else latest) checkpoint of an existing
+--out without training (e.g. after stopping a run early).
 
 --bench N compiles the step, times N steps, prints tokens/s and exits
 (nothing is written).
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every-s", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    p.add_argument("--export-only", action="store_true",
+                   help="skip training: export the best (else latest) checkpoint under --out to --out/export")
     p.add_argument("--bench", type=int, default=0, metavar="N", help="time N steps after compiling, then exit")
     args = p.parse_args(argv)
     try:
@@ -155,6 +160,21 @@ def _main(args) -> int:
     train_tokens = load_tokens("train", tokenizer_file, args.tokens)
     batches = PackedBatches(train_tokens, B, T, seed=tr["seed"])
 
+    if args.export_only:
+        ckpt = loop.Checkpointer(args.out)
+        best = ckpt.restore_best(params)
+        if best is not None:
+            final, info = best[0], f"best validation (step {best[1]['step']}, loss {best[1]['val_loss']:.4f})"
+        elif ckpt.latest_step() is not None:
+            restored, saved = ckpt.restore(state)
+            final, info = restored.params, f"latest (step {saved['step']})"
+        else:
+            raise ValueError(f"no checkpoint under {args.out}; train first")
+        ckpt.close()
+        out = export(args.out / "export", nnx.merge(graphdef, final), tokenizer_file)
+        print(f"exported the {info} params to {out}", flush=True)
+        return 0
+
     if args.bench:
         t = time.perf_counter()
         state, m = train_step(state, batches.batch_at(0))
@@ -186,8 +206,11 @@ def _main(args) -> int:
         total_steps=tr["steps"], tokens_per_step=B * T, log_every=tr["log_every"], eval_every=tr["eval_every"],
         checkpoint_every_s=tr["checkpoint_every_s"], keep=tr["keep"],
     )
-    result = loop.run(cfg, state, train_step, batches.batch_at, args.out, evaluate=evaluate, resume=args.resume,
-                      meta={"preset": args.preset}, optim=optim_cfg, desc="target")
+    try:
+        result = loop.run(cfg, state, train_step, batches.batch_at, args.out, evaluate=evaluate, resume=args.resume,
+                          meta={"preset": args.preset}, optim=optim_cfg, desc="target")
+    except KeyboardInterrupt:
+        return 130
     final = result.best_params if result.best_params is not None else result.state.params
     which = f"best validation (step {result.best_step}, loss {result.best_val:.4f})" if result.best_params is not None else "final"
     out = export(args.out / "export", nnx.merge(graphdef, final), tokenizer_file)

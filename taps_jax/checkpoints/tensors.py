@@ -152,10 +152,13 @@ def load_module(
     flat = nnx.to_flat_state(state)
     used = set()
     values = []
+    missing = []
     for path, var in flat:
         name, transpose = hf_name(path, prefix_of(path))
         if name not in tensors:
-            raise ValueError(f"{source}: missing tensor {name!r} (shape {tuple(var.get_value().shape)[::-1] if transpose else tuple(var.get_value().shape)})")
+            shape = tuple(var.get_value().shape)
+            missing.append(f"{name!r} (shape {shape[::-1] if transpose else shape})")
+            continue
         value = tensors[name].T if transpose else tensors[name]
         want = tuple(var.get_value().shape)
         if tuple(value.shape) != want:
@@ -165,6 +168,11 @@ def load_module(
         used.add(name)
         values.append(np.asarray(value, dtype=var.get_value().dtype))
     extra = sorted(n for n in tensors if n not in used and not ignore(n))
+    if missing:
+        # Name the stray tensors too: a renamed tensor shows up on both sides.
+        stray = f"; the checkpoint has unmatched tensors: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else ""
+        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{' ...' if len(missing) > 4 else ''})" if len(missing) > 1 else ""
+        raise ValueError(f"{source}: missing tensor {missing[0]}{more}{stray}")
     if extra:
         shown = ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else "")
         raise ValueError(f"{source}: {len(extra)} tensors match no parameter of this architecture: {shown}")

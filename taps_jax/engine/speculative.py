@@ -26,6 +26,7 @@ from taps_jax.models.cache import KVCache
 from taps_jax.models.drafter import DrafterCache, draft_logits
 from taps_jax.tree.accept import accept_walk
 from taps_jax.tree.policies import TreeConfig, draft_tree
+from taps_jax.tree.scorer import taps_log_qcond_fn
 from taps_jax.tree.select import ancestor_mask
 
 
@@ -52,14 +53,25 @@ class SpecState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config"))
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
+    scorer_graphdef=None, scorer_params=None,
 ):
-    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R])."""
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R]).
+
+    scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
+    `taps_jax.tree.scorer.Scorer`), required by policy "taps", None otherwise.
+    """
     target = nnx.merge(target_graphdef, target_params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
+    if config.tree.policy == "taps":
+        if scorer_graphdef is None or scorer_params is None:
+            raise ValueError("Tree policy 'taps' needs a trained scorer: pass scorer_graphdef/scorer_params "
+                             "(train one with `python -m train.scorer ...`) or use policy 'ddtree'.")
+        scorer = nnx.merge(scorer_graphdef, scorer_params)
+        embed_VD = target.embed_tokens.embedding.get_value()
     dc, tc = config.decode, config.tree
     B = prompt_BT.shape[0]
     N = dc.max_new_tokens
@@ -101,10 +113,13 @@ def spec_generate(
         mask_id = drafter.config.mask_token_id
         block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, H), mask_id, jnp.int32)], axis=1)
         block_pos_BK = length_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
-        draft_BHV, _ = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+        draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
 
         # 2. Tree: the policy picks T - 1 nodes; the root is the bonus token.
-        tree, _ = draft_tree(tc, draft_BHV, s.bonus_B)
+        log_qcond_fn = None
+        if tc.policy == "taps":
+            log_qcond_fn = taps_log_qcond_fn(scorer, hidden_BHD, embed_VD, s.bonus_B)
+        tree, _ = draft_tree(tc, draft_BHV, s.bonus_B, log_qcond_fn)
 
         # 3. Verify: one target forward over the tree (ancestor-only mask).
         positions_BT = length_B[:, None] + tree.depths_BT

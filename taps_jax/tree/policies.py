@@ -2,7 +2,8 @@
 
 Every policy runs the same slots: lattice -> pool -> log q_cond -> reach ->
 select. A policy only decides the lattice/pool sizes and how log q_cond is
-estimated, so a learned scorer (TAPS) plugs in as a `log_qcond_fn`.
+estimated, so a learned scorer (TAPS) plugs in as a `log_qcond_fn`
+(`taps_jax.tree.scorer.taps_log_qcond_fn`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import Callable
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from taps_jax.tree.lattice import Lattice, build_lattice
 from taps_jax.tree.pool import Pool, build_pool
 from taps_jax.tree.select import Tree, reach, select_tree
 
-KNOWN_POLICIES = ("chain", "ddtree")
+KNOWN_POLICIES = ("chain", "ddtree", "taps")
+SELECTIONS = ("reach", "utility")
 
 # (lattice, pool) -> log q_cond [B, N].
 LogQcondFn = Callable[[Lattice, Pool], jax.Array]
@@ -27,11 +30,16 @@ LogQcondFn = Callable[[Lattice, Pool], jax.Array]
 class TreeConfig:
     """Static tree settings (hashable: pass to jit as a static argument).
 
-    policy: "chain" (DFlash: the argmax path, truncated to the budget) or
-      "ddtree" (top-M prefixes by cumulative draft log-prob).
+    policy: "chain" (DFlash: the argmax path, truncated to the budget),
+      "ddtree" (top-M prefixes by cumulative draft log-prob) or "taps"
+      (top-M by the reach of a learned scorer's q_cond; needs a scorer).
     budget: M, the non-root nodes verified per round.
     lattice_k: K, top tokens kept per drafted position (tree policies).
     beam_width: W, beam slots per depth of the candidate pool (tree policies).
+    selection: "reach" (top-M by q_reach) or "utility" (top-M by the
+      cost-aware q_reach / (lambda_node + lambda_depth * depth)); tree
+      policies only. Both never increase along a path, so the set stays
+      prefix-closed (and select_tree clamps along paths regardless).
 
     For "ddtree", beam_width >= budget and lattice_k >= min(budget, vocab)
     reproduce the DDTree best-first heap exactly (`reproduces_ddtree`);
@@ -42,6 +50,9 @@ class TreeConfig:
     budget: int = 32
     lattice_k: int = 32
     beam_width: int = 32
+    selection: str = "reach"
+    lambda_node: float = 1.0
+    lambda_depth: float = 0.0
 
     @classmethod
     def exact_ddtree(cls, budget: int, vocab_size: int) -> TreeConfig:
@@ -57,7 +68,16 @@ class TreeConfig:
         if self.budget < 1:
             raise ValueError(f"Tree budget must be >= 1, got {self.budget}; raise the budget.")
         if self.policy == "chain":
-            return  # K and W are unused by the chain.
+            return  # K, W and the selection are unused by the chain.
+        if self.selection not in SELECTIONS:
+            raise ValueError(
+                f"Unknown selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}."
+            )
+        if self.selection == "utility" and not (self.lambda_node > 0 and self.lambda_depth >= 0):
+            raise ValueError(
+                f"Utility selection needs lambda_node > 0 and lambda_depth >= 0, got "
+                f"lambda_node={self.lambda_node}, lambda_depth={self.lambda_depth}."
+            )
         if not 1 <= self.lattice_k <= vocab_size:
             raise ValueError(
                 f"lattice_k must be between 1 and the vocabulary size {vocab_size}, "
@@ -118,9 +138,15 @@ def draft_tree(
     log_qcond_fn: optional override of the edge estimate (defaults to the
       drafter's own step log-prob); must not increase along a path's reach.
     Returns the tree (T = config.tree_size(H)) and the lattice/pool/reach.
+    Policy "taps" requires `log_qcond_fn` (see `taps_jax.tree.scorer`).
     """
     _, horizon, vocab = logits_BHV.shape
     config.validate(horizon, vocab)
+    if config.policy == "taps" and log_qcond_fn is None:
+        raise ValueError(
+            "Tree policy 'taps' needs a trained scorer (log_qcond_fn); train one with "
+            "`python -m train.scorer ...` or use policy 'ddtree'."
+        )
     if config.policy == "chain":
         # A width-1 pool of the rank-0 tokens is the argmax path; selecting
         # its first min(M, H) nodes (reach never increases) truncates it.
@@ -131,5 +157,9 @@ def draft_tree(
     pool = build_pool(lattice, width)
     log_qcond_BN = (log_qcond_fn or _step_logprob)(lattice, pool)
     log_reach_BN = reach(pool, log_qcond_BN)
-    tree = select_tree(pool, log_reach_BN, root_token_B, budget)
+    score_BN = log_reach_BN
+    if config.policy != "chain" and config.selection == "utility":
+        cost_BN = config.lambda_node + config.lambda_depth * pool.depth_BN.astype(jnp.float32)
+        score_BN = log_reach_BN - jnp.log(cost_BN)
+    tree = select_tree(pool, score_BN, root_token_B, budget)
     return tree, DraftAux(lattice=lattice, pool=pool, log_reach_BN=log_reach_BN)

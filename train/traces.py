@@ -1,0 +1,538 @@
+"""Trace collection for the TAPS scorer: target labels on large draft pools.
+
+Decoding runs the speculative engine's round (greedy, with a normal policy
+such as ddtree, so rounds start where real decoding rounds would). In every
+round the drafter's lattice also feeds a LARGE candidate pool (beam width W,
+lattice width K, N = H * W nodes), and the target runs ONCE over the whole
+pool as a tree (ancestor mask from the pool's parent links, positions
+len + depth). Recorded per pool node v with parent u (root = the bonus token):
+
+  p_star(v)      = softmax(target logits at u)[x_v]       (temperature 1)
+  p_other(u)     = 1 - sum of p_star over u's pool children (per parent slot)
+  reach_star(v)  = product of p_star along the path to v
+  target_argmax(u) = the target's greedy token at u
+
+together with everything the scorer reads (pool tokens/parents/depths/
+ranks/step and cumulative log-probs/validity, lattice entropy/margin/top-K
+mass, the drafter hidden states, the root token). Parent slots are numbered
+like the scorer's: 0 = root, 1 + n = pool node n.
+
+On disk (OUT/): shard-00000.npz, ... (rows = one sequence in one round; the
+hidden states in float16, labels in float32, ids in the smallest int type)
+and meta.json describing the configuration (target, drafter, pool, decode
+policy) and the shards with the prompt range each covers. Re-running into
+the same OUT with the same configuration resumes after the last shard;
+another configuration is refused with a clear error, and so is loading the
+traces for a target they were not collected with.
+
+CLI: python -m train.traces --target DIR --drafter DIR --prompts FILE --out DIR [--pool-width W] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from taps_jax.api import Target, load_target
+from taps_jax.engine.batching import bucket, encode_prompts, pad_batch
+from taps_jax.engine.prefill import RUNNING, prefill, stop_reason
+from taps_jax.models.cache import KVCache
+from taps_jax.models.drafter import DrafterCache, draft_logits
+from taps_jax.tree.accept import accept_walk
+from taps_jax.tree.lattice import build_lattice
+from taps_jax.tree.policies import TreeConfig, draft_tree
+from taps_jax.tree.pool import Pool, build_pool
+from taps_jax.tree.select import Tree, ancestor_mask, reach
+
+FORMAT = "taps-traces"
+VERSION = 1
+META_NAME = "meta.json"
+
+# name -> (on-disk dtype, shape in terms of N nodes, S = N + 1 parent slots, H depths, D drafter width)
+FIELDS = {
+    "prompt_id": (np.int32, ()),
+    "round": (np.int32, ()),
+    "length": (np.int32, ()),
+    "root_token": (np.int32, ()),
+    "token": (np.int32, ("N",)),
+    "parent": (np.int16, ("N",)),
+    "depth": (np.int8, ("N",)),
+    "rank": (np.int16, ("N",)),
+    "step_logprob": (np.float32, ("N",)),
+    "cum_logprob": (np.float32, ("N",)),
+    "valid": (np.bool_, ("N",)),
+    "entropy": (np.float32, ("H",)),
+    "margin": (np.float32, ("H",)),
+    "topk_mass": (np.float32, ("H",)),
+    "hidden": (np.float16, ("H", "D")),
+    "p_star": (np.float32, ("N",)),
+    "p_other": (np.float32, ("S",)),
+    "reach_star": (np.float32, ("N",)),
+    "target_argmax": (np.int32, ("S",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+    """What a trace set is collected with (static; part of meta.json)."""
+
+    pool_width: int = 32  # W of the large pool; N = H * W nodes
+    pool_k: int = 32  # lattice K of the large pool
+    policy: str = "ddtree"  # the decoding policy that advances the sequences
+    budget: int = 32
+    max_new_tokens: int = 128
+    max_prompt_len: int = 512  # longer prompts keep their last tokens
+
+    def __post_init__(self):
+        for name in ("pool_width", "pool_k", "budget", "max_new_tokens", "max_prompt_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in ("chain", "ddtree"):
+            raise ValueError(f"trace decoding policy must be 'chain' or 'ddtree', got {self.policy!r}")
+
+    def decode_tree(self, vocab_size: int) -> TreeConfig:
+        return TreeConfig(self.policy, self.budget, min(self.budget, vocab_size), self.budget)
+
+
+# --------------------------------------------------------------------------- the jitted round
+
+
+@flax.struct.dataclass
+class TraceState:
+    cache: KVCache  # target K/V, lengths = committed tokens
+    dcache: DrafterCache
+    ctx_taps_BAF: jax.Array  # [B, A, n_taps*D] tap features of last round's committed tokens
+    ctx_count_B: jax.Array  # [B]
+    bonus_B: jax.Array  # [B] pending token
+    generated_B: jax.Array  # [B] tokens emitted so far (bonus included)
+    finish_B: jax.Array  # [B] RUNNING / EOS / LENGTH / CAPACITY; -1 for padded slots
+    round_B: jax.Array  # [B] rounds run so far
+
+
+def pool_tree(pool: Pool, root_token_B) -> Tree:
+    """The whole pool as a tree: slot 0 = root, slot 1 + n = pool node n."""
+    B, N = pool.token_BN.shape
+    ones = jnp.ones((B, 1), bool)
+    return Tree(
+        tokens_BT=jnp.concatenate([root_token_B[:, None].astype(jnp.int32), pool.token_BN], axis=1),
+        parents_BT=jnp.concatenate([-ones.astype(jnp.int32), jnp.maximum(pool.parent_BN + 1, 0)], axis=1),
+        depths_BT=jnp.concatenate([jnp.zeros((B, 1), jnp.int32), pool.depth_BN], axis=1),
+        valid_BT=jnp.concatenate([ones, pool.valid_BN], axis=1),
+        pool_index_BT=jnp.concatenate([-ones.astype(jnp.int32), jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))], axis=1),
+        max_depth=pool.horizon,
+    )
+
+
+def pool_labels(pool: Pool, logits_BSV) -> dict:
+    """Target labels of a pool from the target's logits at its N + 1 parent slots."""
+    B, N = pool.token_BN.shape
+    S = N + 1
+    slot_BN = jnp.maximum(pool.parent_BN + 1, 0)
+    logits_BSV = logits_BSV.astype(jnp.float32)
+    lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
+    # logits at the parent slot, at the node's token: one [B, N] gather.
+    flat_BX = logits_BSV.reshape(B, S * logits_BSV.shape[-1])
+    idx_BN = slot_BN * logits_BSV.shape[-1] + pool.token_BN
+    logp_BN = jnp.take_along_axis(flat_BX, idx_BN, axis=1) - jnp.take_along_axis(lse_BS, slot_BN, axis=1)
+    logp_BN = jnp.where(pool.valid_BN, logp_BN, -jnp.inf)
+    p_BN = jnp.exp(logp_BN)
+    child_sum_BS = jax.vmap(lambda p, s: jax.ops.segment_sum(p, s, num_segments=S))(p_BN, slot_BN)
+    return {
+        "p_star": p_BN,
+        "p_other": jnp.clip(1.0 - child_sum_BS, 0.0, 1.0),
+        "reach_star": jnp.exp(reach(pool, logp_BN)),
+        "target_argmax": jnp.argmax(logits_BSV, axis=-1).astype(jnp.int32),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "capacity"))
+def trace_prefill(target_graphdef, target_params, drafter_graphdef, drafter_params,
+                  prompt_BT, prompt_len_B, active_B, *, capacity: int) -> TraceState:
+    target = nnx.merge(target_graphdef, target_params)
+    drafter = nnx.merge(drafter_graphdef, drafter_params)
+    B = prompt_BT.shape[0]
+    H = drafter.config.block_size - 1
+    logits_BV, prompt_taps_BTF, cache = prefill(target, prompt_BT, prompt_len_B, capacity,
+                                                drafter.config.target_layer_ids)
+    dcache = drafter.append_context(prompt_taps_BTF, prompt_len_B, DrafterCache.zeros(drafter.config, B, capacity))
+    return TraceState(
+        cache=cache, dcache=dcache,
+        ctx_taps_BAF=jnp.zeros((B, H + 1, prompt_taps_BTF.shape[-1]), prompt_taps_BTF.dtype),
+        ctx_count_B=jnp.zeros((B,), jnp.int32),
+        bonus_B=jnp.argmax(logits_BV, axis=-1).astype(jnp.int32),
+        generated_B=jnp.ones((B,), jnp.int32),
+        finish_B=jnp.where(active_B, RUNNING, -1).astype(jnp.int32),
+        round_B=jnp.zeros((B,), jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "eos_ids"))
+def trace_round(target_graphdef, target_params, drafter_graphdef, drafter_params, state: TraceState, *,
+                config: TraceConfig, eos_ids: tuple[int, ...] = ()):
+    """One greedy speculative round plus the large-pool labels. Returns (state, record)."""
+    target = nnx.merge(target_graphdef, target_params)
+    drafter = nnx.merge(drafter_graphdef, drafter_params)
+    s = state
+    B = s.bonus_B.shape[0]
+    Kb = drafter.config.block_size
+    H = Kb - 1
+    A = H + 1
+    taps = drafter.config.target_layer_ids
+    running_B = s.finish_B == RUNNING
+    length_B = s.cache.lengths_B
+
+    # Draft (exactly as the engine's round).
+    dcache = drafter.append_context(s.ctx_taps_BAF, s.ctx_count_B, s.dcache)
+    block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, H), drafter.config.mask_token_id, jnp.int32)], 1)
+    block_pos_BK = length_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
+    draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+
+    # Large pool, verified by the target in one forward; its cache writes are discarded.
+    lattice = build_lattice(draft_BHV, config.pool_k)
+    pool = build_pool(lattice, config.pool_width)
+    ptree = pool_tree(pool, s.bonus_B)
+    plogits_BSV, _, _ = target(ptree.tokens_BT, length_B[:, None] + ptree.depths_BT, ancestor_mask(ptree), s.cache)
+    labels = pool_labels(pool, plogits_BSV)
+
+    # The normal round advances decoding greedily.
+    tree, _ = draft_tree(config.decode_tree(target.config.vocab_size), draft_BHV, s.bonus_B)
+    logits_BTV, taps_BTF, cache = target(tree.tokens_BT, length_B[:, None] + tree.depths_BT,
+                                         ancestor_mask(tree), s.cache, taps)
+    acc = accept_walk(tree, jnp.argmax(logits_BTV, axis=-1), max_depth=A - 1)
+    a_B = acc.num_accepted_B
+    path_BA = acc.path_BA[:, :A]
+    drafted_BA = jnp.take_along_axis(tree.tokens_BT, path_BA, axis=1)
+    next_BA = jnp.concatenate([drafted_BA[:, 1:], drafted_BA[:, -1:]], axis=1)
+    emit_BA = jnp.where(jnp.arange(A)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
+    in_round_BA = jnp.arange(A)[None] < a_B[:, None]
+    is_eos_BA = jnp.isin(emit_BA, jnp.asarray(eos_ids or (-1,), jnp.int32)) & in_round_BA
+    hit_eos_B = jnp.any(is_eos_BA, axis=1)
+    n_emit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BA, axis=1) + 1, a_B)
+    n_emit_B = jnp.where(running_B, n_emit_B, 0)
+    generated_B = s.generated_B + n_emit_B
+    commit_B = jnp.where(running_B, a_B, 0)
+    cache = cache.gather_commit(path_BA, commit_B)
+    T = tree.tokens_BT.shape[1]
+    last_B = jnp.take_along_axis(emit_BA, jnp.maximum(n_emit_B - 1, 0)[:, None], axis=1)[:, 0]
+    # The next round needs T cache slots (the large pool's writes are dropped past capacity).
+    reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, eos_ids, config.max_new_tokens, cache.capacity)
+    new = TraceState(
+        cache=cache, dcache=dcache,
+        ctx_taps_BAF=jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1).astype(s.ctx_taps_BAF.dtype),
+        ctx_count_B=commit_B,
+        bonus_B=jnp.where(running_B, acc.bonus_token_B, s.bonus_B),
+        generated_B=generated_B,
+        finish_B=jnp.where(running_B, reason_B, s.finish_B),
+        round_B=s.round_B + running_B,
+    )
+    record = {
+        "running": running_B,
+        "accepted": a_B,
+        "round": s.round_B,
+        "length": length_B,
+        "root_token": s.bonus_B,
+        "token": pool.token_BN,
+        "parent": pool.parent_BN,
+        "depth": pool.depth_BN,
+        "rank": pool.rank_BN,
+        "step_logprob": pool.step_logprob_BN,
+        "cum_logprob": pool.cum_logprob_BN,
+        "valid": pool.valid_BN,
+        "entropy": lattice.entropy_BH,
+        "margin": lattice.margin_BH,
+        "topk_mass": lattice.topk_mass_BH,
+        "hidden": hidden_BHD.astype(jnp.float16),
+        **labels,
+    }
+    return new, record
+
+
+# --------------------------------------------------------------------------- meta and I/O
+
+
+def embed_probe(embed_VD) -> list[float]:
+    """A few fixed entries of the embedding table: tells targets of equal shape apart."""
+    e = np.asarray(jax.device_get(embed_VD), np.float32)
+    V, D = e.shape
+    rows = sorted({0, V // 3, (2 * V) // 3, V - 1})
+    cols = sorted({0, D // 2, D - 1})
+    return [float(e[r, c]) for r in rows for c in cols]
+
+
+def target_embedding(target: Target) -> jax.Array:
+    return target.model.embed_tokens.embedding.get_value()
+
+
+def describe(target: Target, drafter, config: TraceConfig) -> dict:
+    """The configuration part of meta.json (what must match to mix or reuse traces)."""
+    tc, dc = target.config, drafter.config
+    H = dc.block_size - 1
+    return {
+        "target": {"vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size, "num_layers": tc.num_layers,
+                   "embed_probe": embed_probe(target_embedding(target))},
+        "drafter": {"hidden_size": dc.hidden_size, "block_size": dc.block_size, "num_layers": dc.num_layers,
+                    "target_layer_ids": list(dc.target_layer_ids), "mask_token_id": dc.mask_token_id},
+        "pool": {"horizon": H, "beam_width": config.pool_width, "lattice_k": config.pool_k,
+                 "nodes": H * config.pool_width},
+        "decode": {"policy": config.policy, "budget": config.budget, "max_new_tokens": config.max_new_tokens,
+                   "max_prompt_len": config.max_prompt_len, "greedy": True},
+    }
+
+
+def _diff(a, b, prefix=""):
+    """First differing key path between two JSON-like values, as 'path: a vs b'."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            d = _diff(a.get(k), b.get(k), f"{prefix}{'.' if prefix else ''}{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(isinstance(x, float) for x in a + b):
+        return None if np.allclose(a, b, rtol=2e-2, atol=1e-4) else f"{prefix}: {a} vs {b}"
+    return None if a == b else f"{prefix}: {a!r} vs {b!r}"
+
+
+def read_meta(trace_dir) -> dict:
+    trace_dir = Path(trace_dir)
+    file = trace_dir / META_NAME
+    if not trace_dir.is_dir():
+        raise ValueError(f"trace directory {str(trace_dir)!r} does not exist; collect traces with `python -m train.traces`")
+    if not file.is_file():
+        raise ValueError(f"{trace_dir}: no {META_NAME}; not a trace directory written by `python -m train.traces`")
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: cannot read JSON ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{file}: not a {FORMAT} v{VERSION} meta file (format {meta.get('format')!r}, "
+                         f"version {meta.get('version')!r}); re-collect the traces with this version")
+    return meta
+
+
+def check_traces_for_target(meta: dict, target: Target, source: str = "traces") -> None:
+    """ValueError naming both values if the traces were collected with another target."""
+    want, got = meta["target"], target.config
+    for key, value in (("vocab_size", got.vocab_size), ("hidden_size", got.hidden_size)):
+        if want[key] != value:
+            raise ValueError(f"{source} were collected with a target of {key}={want[key]}, but the given target has "
+                             f"{key}={value}; pass the target the traces were collected with, or re-collect them")
+    probe = embed_probe(target_embedding(target))
+    if not np.allclose(want["embed_probe"], probe, rtol=2e-2, atol=1e-4):
+        raise ValueError(f"{source} were collected with a target of the same shape but other embedding weights "
+                         f"(embedding probe {want['embed_probe'][:3]}... vs {probe[:3]}...); pass the target the "
+                         f"traces were collected with")
+
+
+def load_traces(trace_dir, expect: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, {field: array [rows, ...]}) of a trace directory.
+
+    expect: an optional `describe(...)` dict (or part of one) the traces must
+    match; a mismatch raises ValueError naming the first differing setting.
+    """
+    trace_dir = Path(trace_dir)
+    meta = read_meta(trace_dir)
+    if expect is not None:
+        d = _diff({k: meta.get(k) for k in expect}, expect)
+        if d:
+            raise ValueError(f"{trace_dir}: traces of another configuration ({d}); collect traces with this "
+                             f"configuration or point at the matching trace directory")
+    shards = meta.get("shards") or []
+    if not shards:
+        raise ValueError(f"{trace_dir}: no trace shards yet; run `python -m train.traces` to collect some")
+    N, H = meta["pool"]["nodes"], meta["pool"]["horizon"]
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in FIELDS}
+    for shard in shards:
+        file = trace_dir / shard["file"]
+        try:
+            with np.load(file) as z:
+                for k in FIELDS:
+                    parts[k].append(z[k])
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{file}: unreadable or incomplete trace shard ({e}); delete it from meta.json's "
+                             f"shards and re-collect") from None
+        if parts["token"][-1].shape[1:] != (N,) or parts["entropy"][-1].shape[1:] != (H,):
+            raise ValueError(f"{file}: pool shape {parts['token'][-1].shape[1:]} / horizon "
+                             f"{parts['entropy'][-1].shape[1:]} differs from meta.json's N={N}, H={H}; "
+                             f"this shard belongs to another configuration")
+    return meta, {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def _write_shard(out: Path, index: int, rows: list[dict]) -> dict:
+    arrays = {k: np.stack([r[k] for r in rows]).astype(dt) for k, (dt, _) in FIELDS.items()}
+    name = f"shard-{index:05d}.npz"
+    tmp = out / (name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(out / name)
+    return {"file": name, "rows": len(rows)}
+
+
+def _write_meta(out: Path, meta: dict) -> None:
+    tmp = out / (META_NAME + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(out / META_NAME)
+
+
+# --------------------------------------------------------------------------- collection
+
+
+def read_prompt_file(path) -> list:
+    """JSONL: one {"prompt": "text"} or {"ids": [token ids]} per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompts file {str(path)!r} does not exist")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}); each line must be "
+                             f'{{"prompt": "..."}} or {{"ids": [...]}}') from None
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"]:
+            out.append(rec["prompt"])
+        elif isinstance(rec, dict) and isinstance(rec.get("ids"), list) and rec["ids"]:
+            out.append(rec["ids"])
+        else:
+            raise ValueError(f'{path}:{lineno}: expected {{"prompt": "non-empty text"}} or {{"ids": [ints]}}')
+    if not out:
+        raise ValueError(f"{path}: no prompts found")
+    return out
+
+
+def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceConfig(), *,
+            batch_size: int = 8, shard_rows: int = 4096, stop_at_eos: bool = True, progress: bool = True,
+            source: str | None = None) -> dict:
+    """Decode `prompts` and write trace shards + meta.json under `out`. Returns the meta.
+
+    Resumes after the last written shard when `out` already holds traces of
+    the same configuration; refuses traces of another configuration.
+    """
+    drafter.config.check_target(target.config)
+    H = drafter.config.block_size - 1
+    vocab = target.config.vocab_size
+    if config.pool_k > vocab:
+        raise ValueError(f"pool lattice K={config.pool_k} exceeds the vocabulary size {vocab}; lower --pool-k")
+    config.decode_tree(vocab).validate(H, vocab)
+    ids = [p[-config.max_prompt_len:] for p in encode_prompts(prompts, target.tokenizer, vocab)]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    desc = describe(target, drafter, config)
+    meta = {"format": FORMAT, "version": VERSION, **desc, "prompts": {"count": len(ids), "source": source},
+            "fields": {k: [np.dtype(dt).name, list(shape)] for k, (dt, shape) in FIELDS.items()},
+            "shards": [], "rows": 0, "rounds_accepted": 0, "complete": False}
+    done = 0
+    if (out / META_NAME).is_file():
+        old = read_meta(out)
+        d = _diff({k: old.get(k) for k in desc}, desc)
+        if d:
+            raise ValueError(f"{out} already holds traces of another configuration ({d}); use another --out "
+                             f"or delete that directory")
+        if old["prompts"]["count"] != len(ids):
+            raise ValueError(f"{out} holds traces of a prompt set of {old['prompts']['count']} prompts, not "
+                             f"{len(ids)}; use another --out or delete that directory")
+        meta = old
+        done = meta["shards"][-1]["prompt_end"] if meta["shards"] else 0
+    _write_meta(out, meta)
+    if done >= len(ids):
+        return meta
+
+    tg, tp = target.graphdef, target.params
+    dg, dp = nnx.split(drafter.module)
+    eos = target.eos_ids if stop_at_eos else ()
+    T = config.decode_tree(vocab).tree_size(H)
+    buffer: list[dict] = []
+    shard_start = done
+    bar = tqdm(total=len(ids), initial=done, desc="traces", unit="prompt", disable=not progress, dynamic_ncols=True)
+    accepted = meta.get("rounds_accepted", 0)
+
+    def flush(end: int):
+        nonlocal buffer, shard_start
+        if not buffer:
+            return
+        info = _write_shard(out, len(meta["shards"]), buffer)
+        meta["shards"].append({**info, "prompt_start": shard_start, "prompt_end": end})
+        meta["rows"] += len(buffer)
+        meta["rounds_accepted"] = accepted
+        _write_meta(out, meta)
+        buffer, shard_start = [], end
+
+    for start in range(done, len(ids), batch_size):
+        chunk = ids[start:start + batch_size]
+        capacity = bucket(max(map(len, chunk)) + config.max_new_tokens + T + H + 1)
+        prompt, lens, active = pad_batch(chunk, capacity, min_batch=batch_size)
+        state = trace_prefill(tg, tp, dg, dp, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active),
+                              capacity=capacity)
+        for _ in range(config.max_new_tokens):
+            state, rec = trace_round(tg, tp, dg, dp, state, config=config, eos_ids=eos)
+            rec = jax.device_get(rec)
+            for b in np.flatnonzero(rec["running"]):
+                row = {k: rec[k][b] for k in FIELDS if k != "prompt_id"}
+                row["prompt_id"] = start + int(b)
+                buffer.append(row)
+                accepted += int(rec["accepted"][b])
+            if not np.any(np.asarray(jax.device_get(state.finish_B)) == RUNNING):
+                break
+        bar.update(len(chunk))
+        rows = meta["rows"] + len(buffer)
+        bar.set_postfix(rows=rows, tau=f"{accepted / max(rows, 1):.2f}", refresh=False)
+        if len(buffer) >= shard_rows:
+            flush(start + len(chunk))
+    flush(len(ids))
+    bar.close()
+    meta["complete"] = True
+    meta["rounds_accepted"] = accepted
+    _write_meta(out, meta)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Collect TAPS scorer traces: target labels on large draft pools.")
+    p.add_argument("--target", type=Path, required=True, help="target checkpoint dir (Hugging Face layout)")
+    p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter checkpoint dir")
+    p.add_argument("--prompts", type=Path, required=True, help='JSONL: {"prompt": "..."} or {"ids": [...]} per line')
+    p.add_argument("--out", type=Path, required=True, help="output dir (shards + meta.json); resumes if it exists")
+    p.add_argument("--pool-width", type=int, default=32, help="beam width W of the large pool (N = H * W nodes)")
+    p.add_argument("--pool-k", type=int, default=32, help="lattice width K of the large pool")
+    p.add_argument("--policy", choices=("ddtree", "chain"), default="ddtree", help="policy that advances decoding")
+    p.add_argument("--budget", type=int, default=32, help="that policy's verification budget")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--shard-rows", type=int, default=4096)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-eos", action="store_true", help="do not stop sequences at EOS")
+    args = p.parse_args(argv)
+    try:
+        from taps_jax.decoder import load_drafter
+
+        config = TraceConfig(args.pool_width, args.pool_k, args.policy, args.budget, args.max_new_tokens,
+                             args.max_prompt_len)
+        prompts = read_prompt_file(args.prompts)
+        target = load_target(args.target, args.dtype)
+        drafter = load_drafter(args.drafter, args.dtype)
+        meta = collect(target, drafter, prompts, args.out, config, batch_size=args.batch_size,
+                       shard_rows=args.shard_rows, stop_at_eos=not args.no_eos, source=str(args.prompts))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{meta['rows']} rows ({meta['pool']['nodes']} pool nodes each) from {meta['prompts']['count']} prompts "
+          f"in {len(meta['shards'])} shards under {args.out}; decoding tau "
+          f"{meta['rounds_accepted'] / max(meta['rows'], 1):.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
