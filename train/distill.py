@@ -20,9 +20,16 @@ Pipeline
    an interrupted generation resumes from its finished chunks.
 2. Tap features: computed ON THE FLY inside the jitted step, one frozen
    target forward per sequence (causal mask, `taps=target_layer_ids`, the lm
-   head skipped). Precomputing would store [N, S, n_taps * D] floats (the
-   default set: 4096 x 416 x 768 x 4 B = 5.2 GB) to save the forward pass,
-   which costs about a fifth of a step (see `--bench`, which times both).
+   head skipped). Measured (`--bench`, 6-layer target of width 256 or 384,
+   batch 8 x 320 tokens, 16 anchors): that forward is ~40% of a 1-layer
+   drafter's step (CPU time) and ~30% of a 2-layer one's. A precomputed
+   cache would remove it from every pass after the first, ~30% of a 4-pass
+   run, but must store [N, S, n_taps * D] floats (default set: 4096 x 320 x
+   768 x 2 B = 2 GB in float16, twice that in float32) per (target, taps,
+   data) and keep a second input path identical to the decode-time
+   features. On the fly keeps the features exactly what decoding sees and
+   needs no storage; more anchors per sequence amortise the forward instead
+   (32 anchors: ~22% of the step).
 3. Objective: per sequence, A anchors are sampled without replacement; block
    j is [tok[a_j], MASK x H] at positions a_j .. a_j + H. All blocks of a
    sequence run in ONE `Drafter.forward_masked`, where block j sees the
@@ -70,7 +77,6 @@ import csv
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -285,7 +291,8 @@ def generate_sequences(
     batches = [(lo, min(lo + batch_size, n_greedy), True) for lo in range(0, n_greedy, batch_size)]
     batches += [(lo, min(lo + batch_size, n), False) for lo in range(n_greedy, n, batch_size)]
     rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
-    bar = tqdm(total=n, desc=f"generate {name}", unit="seq", dynamic_ncols=True, smoothing=0.1)
+    bar = tqdm(total=n, desc=f"generate {name}", unit="seq", dynamic_ncols=True, smoothing=0.1,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0)
     t0, made = time.perf_counter(), 0
     for i, (lo, hi, greedy) in enumerate(batches):
         part = parts / f"{lo:07d}.npy" if parts is not None else None
@@ -313,20 +320,28 @@ def generate_sequences(
     if final is not None:
         seqs.save(final)
         (final / "meta.json").write_text(json.dumps({
-            "sequences": n, "greedy": n_greedy, "temperature": temperature, "gen_tokens": gen_tokens,
+            "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
+            "gen_tokens": gen_tokens,
             "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
         }, indent=2))
         shutil.rmtree(parts, ignore_errors=True)
     return seqs
 
 
-def corpus_prompts(target: Target, split: str, n: int, seed: int) -> list[list[int]]:
-    """n function-signature prompts of a corpus split, tokenised with the target's tokenizer."""
+def corpus_prompts(target: Target, split: str, n: int, seed: int, max_tokens: int | None = None) -> list[list[int]]:
+    """n function-signature prompts of a corpus split, tokenised with the target's tokenizer.
+
+    max_tokens keeps only the LAST tokens of longer prompts (the sequence
+    width is the longest prompt + gen_tokens for every row, so a few long
+    prompts would pad all rows; the default set's prompts are 25 tokens on
+    average, 69 at the 99th percentile, 113 at most).
+    """
     from train.corpus import build_prompts
 
     if target.tokenizer is None:
         raise ValueError("the target has no tokenizer.json; distillation prompts are text, add the tokenizer")
-    return target.encode([p["prompt"] for p in build_prompts(split, n=n, seed=seed)])
+    ids = target.encode([p["prompt"] for p in build_prompts(split, n=n, seed=seed)])
+    return [p[-max_tokens:] for p in ids] if max_tokens else ids
 
 
 # --------------------------------------------------------------------------- anchors and batches
@@ -658,16 +673,16 @@ def distill(
     run = setup(target, drafter, train_seqs, config, optim)
     H = drafter.config.block_size - 1
     tparams = target.params
+    start = 0
+    if resume:
+        ck = loop.Checkpointer(out_dir)
+        start = ck.latest_step() or 0
+        ck.close()
+    current = [start]  # steps done when an evaluation runs (the loop evaluates right after a step)
     evaluate = None
-    current = [0]  # steps done when an evaluation runs (the loop evaluates right after a step)
     if val_seqs is not None and len(val_seqs):
         val_batches = AnchorBatches(val_seqs, config.batch_size, config.anchors_per_seq, drafter.config.block_size,
                                     "continuation", config.seed).fixed_batches()
-        start = 0
-        if resume:
-            ck = loop.Checkpointer(out_dir)
-            start = ck.latest_step() or 0
-            ck.close()
         evaluate = make_evaluator(run.forward, val_batches, tparams, out_dir, H, start, lambda: current[0])
 
     def batch_at(step: int) -> dict:
@@ -697,7 +712,7 @@ DEFAULTS = {
     "drafter": {"num_layers": 1, "block_size": 16, "num_taps": 3, "target_layer_ids": None,
                 "mask_token_id": MASK_ID, "intermediate_size": None},
     "data": {"num_sequences": 4096, "gen_tokens": 256, "greedy_fraction": 0.5, "temperature": 0.9,
-             "gen_batch_size": 64, "val_sequences": 128, "val_split": "validation"},
+             "gen_batch_size": 64, "val_sequences": 128, "val_split": "validation", "max_prompt_tokens": 64},
     "optim": {"lr": 6e-4, "warmup_ratio": 0.04, "weight_decay": 0.01, "min_lr_ratio": 0.05, "clip_norm": 1.0,
               "b1": 0.9, "b2": 0.95},
     "train": {"steps": 2000, "batch_size": 8, "anchors_per_seq": 16, "gamma": None,
@@ -731,7 +746,7 @@ FLAGS = {  # flag dest -> (section, field)
     "num_sequences": ("data", "num_sequences"), "gen_tokens": ("data", "gen_tokens"),
     "greedy_fraction": ("data", "greedy_fraction"), "temperature": ("data", "temperature"),
     "gen_batch_size": ("data", "gen_batch_size"), "val_sequences": ("data", "val_sequences"),
-    "val_split": ("data", "val_split"),
+    "val_split": ("data", "val_split"), "max_prompt_tokens": ("data", "max_prompt_tokens"),
     "layers": ("drafter", "num_layers"), "block_size": ("drafter", "block_size"),
     "taps": ("drafter", "target_layer_ids"),
     "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
@@ -754,6 +769,7 @@ def parse_args(argv):
     p.add_argument("--gen-batch-size", type=int)
     p.add_argument("--val-sequences", type=int)
     p.add_argument("--val-split", choices=("validation", "heldout"))
+    p.add_argument("--max-prompt-tokens", type=int, help="keep the last N tokens of longer prompts")
     p.add_argument("--layers", type=int, help="drafter layers")
     p.add_argument("--block-size", type=int, help="Kb (H = Kb - 1 drafted positions)")
     p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -836,10 +852,11 @@ def _main(args) -> int:
     cache = args.out / "data"
     gen = dict(batch_size=data["gen_batch_size"], temperature=data["temperature"], cache_dir=cache)
     train_seqs = generate_sequences(
-        target, corpus_prompts(target, "train", data["num_sequences"], config.seed), data["gen_tokens"],
+        target, corpus_prompts(target, "train", data["num_sequences"], config.seed, data["max_prompt_tokens"]), data["gen_tokens"],
         greedy_fraction=data["greedy_fraction"], seed=config.seed, name="train", **gen)
     val_seqs = generate_sequences(
-        target, corpus_prompts(target, data["val_split"], data["val_sequences"], config.seed + 1),
+        target, corpus_prompts(target, data["val_split"], data["val_sequences"], config.seed + 1,
+                               data["max_prompt_tokens"]),
         data["gen_tokens"], greedy_fraction=1.0, seed=config.seed + 1, name=data["val_split"], **gen)
     cont = train_seqs.lengths - train_seqs.prompt_lens
     print(f"train: {len(train_seqs)} sequences of width {train_seqs.seq_len}, continuation mean {cont.mean():.0f} "
@@ -885,11 +902,11 @@ def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.O
     taps_fn = jax.jit(lambda p, tok: target_taps(nnx.merge(target.graphdef, p), tok, drafter.config.target_layer_ids))
     tok = jnp.asarray(seqs.tokens[:B])
     jax.block_until_ready(taps_fn(target.params, tok))
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for _ in range(n):
         out = taps_fn(target.params, tok)
     jax.block_until_ready(out)
-    dt_taps = (time.perf_counter() - t) / n
+    dt_taps, cpu_taps = (time.perf_counter() - t) / n, (time.process_time() - c) / n
 
     H = drafter.config.block_size - 1
     c = drafter.config
@@ -897,7 +914,8 @@ def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.O
     print(f"BENCH drafter {c.num_layers}x{c.hidden_size} on target {target.config.num_layers}x"
           f"{target.config.hidden_size}: B{B} S{S} A{config.anchors_per_seq} Kb{c.block_size}: "
           f"{dt:.3f} s/step ({cpu:.3f} CPU-s)  {draft / dt:,.0f} draft tok/s  {B * S / dt:,.0f} seq tok/s  "
-          f"{B / dt:.2f} seq/s; target-tap forward alone {dt_taps:.3f} s ({dt_taps / dt:.0%} of the step)  "
+          f"{B / dt:.2f} seq/s; target-tap forward alone {dt_taps:.3f} s ({cpu_taps:.3f} CPU-s, "
+          f"{cpu_taps / cpu:.0%} of the step's CPU time)  "
           f"loss {float(m['loss']):.3f}", flush=True)
     return 0
 

@@ -316,6 +316,7 @@ def run(
         tqdm.write(f"--resume: no checkpoint under {out_dir / 'checkpoints'}; starting from step 0")
     start = int(state.step)
     log = MetricsLog(out_dir, start if resume else None)
+    elapsed0 = float(log.rows[-1]["elapsed_s"] or 0) if log.rows else 0.0  # wall time of earlier legs
     meta = dict(meta or {})
 
     def checkpoint():
@@ -325,7 +326,7 @@ def run(
         nonlocal best_val, best_step
         val = evaluate(state.params)
         log.add(step=step, split="val", loss=f"{val:.5f}", lr=f"{_lr_at(optim, step):.3e}",
-                elapsed_s=f"{time.perf_counter() - t0:.1f}")
+                elapsed_s=f"{elapsed0 + time.perf_counter() - t0:.1f}")
         mark = ""
         if val < best_val:
             best_val, best_step = val, step
@@ -369,21 +370,23 @@ def run(
                 gnorm = float(np.mean([m["grad_norm"] for m in got]))
                 lr = _lr_at(optim, step)
                 log.add(step=done, split="train", loss=f"{loss:.5f}", lr=f"{lr:.3e}", grad_norm=f"{gnorm:.4f}",
-                        tokens_per_s=f"{tok_s:.0f}", elapsed_s=f"{now - t0:.1f}")
+                        tokens_per_s=f"{tok_s:.0f}", elapsed_s=f"{elapsed0 + now - t0:.1f}")
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}", refresh=False)
                 if not interactive:
                     tqdm.write(f"step {done:6d}  loss {loss:.4f}  gnorm {gnorm:.3f}  lr {lr:.2e}  "
                                f"{tok_s:,.0f} tok/s  {_eta(bar)}")
                 pending, t_log = [], now
             if evaluate is not None and config.eval_every and done % config.eval_every == 0 and done != config.total_steps:
+                t_pause = time.perf_counter()
                 do_eval(done)
-                t_log = time.perf_counter()  # keep eval time out of tokens/s
+                t_log += time.perf_counter() - t_pause  # keep eval time out of tokens/s
             now = time.perf_counter()
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or (
                 config.checkpoint_every_s and now - t_ckpt >= config.checkpoint_every_s
             ):
                 checkpoint()
-                t_ckpt = t_log = time.perf_counter()
+                t_ckpt = time.perf_counter()
+                t_log += t_ckpt - now
             if stop:
                 bar.close()
                 checkpoint()

@@ -1,0 +1,115 @@
+"""taps-decode and taps-bench end to end on a tiny random model set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+
+from decode import bench, cli
+from taps_jax.api import Target
+from taps_jax.checkpoints.tokenizer import Tokenizer
+from taps_jax.config import DrafterConfig, ModelConfig
+from taps_jax.decoder import DrafterModel
+from taps_jax.models.drafter import Drafter
+from taps_jax.models.transformer import Transformer
+from train.tokenizer import train_tokenizer
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("modelset")
+    tok_file = train_tokenizer(root / "tok", vocab_size=VOCAB, max_bytes=40_000, show_progress=False)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=10000.0, tie_embeddings=True)
+    Target(Transformer(cfg, nnx.Rngs(0)), Tokenizer.from_file(tok_file), (0,)).save(root / "target")
+    dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=8, block_size=4, mask_token_id=2, target_layer_ids=(0, 1),
+                         num_target_layers=2, vocab_size=VOCAB, rope_theta=10000.0)
+    DrafterModel(Drafter(dcfg, nnx.Rngs(1))).save(root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "import os\n", "class A:"]))
+    return root
+
+
+def test_decode_prints_continuation_and_stats(model_dir, capsys):
+    assert cli.main(["--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "8",
+                     "--policy", "ddtree", "--budget", "4", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def add(a, b):")
+    assert "tau=" in err and "tokens/s=" in err and "rounds=" in err
+
+
+def test_decode_ar_and_chain_agree(model_dir, capsys):
+    texts = []
+    for policy in ("ar", "chain"):
+        cli.main(["--model", str(model_dir), "--prompt", "x = ", "--max-new-tokens", "6", "--policy", policy])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+
+
+def test_bench_writes_json_and_plot(model_dir, tmp_path):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert bench.main(["--model", str(model_dir), "--prompts", str(model_dir / "prompts.jsonl"),
+                       "--policies", "ar,chain,ddtree", "--budgets", "2,4", "--max-new-tokens", "6",
+                       "--batch-size", "2", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    report = json.loads(out_json.read_text())
+    assert set(report) >= {"config", "ar", "results"}
+    assert report["ar"]["tokens"] == 18 and report["ar"]["tokens_per_s"] > 0
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("chain", 2), ("chain", 4), ("ddtree", 2), ("ddtree", 4)]
+    keys = {"policy", "budget", "tau", "tokens_per_s", "speedup_vs_ar", "lossless", "rounds",
+            "draft_ms_per_round", "select_ms_per_round", "verify_ms_per_round", "compiles"}
+    for row in report["results"]:
+        assert keys <= set(row)
+        assert row["lossless"] is True
+        assert row["tau"] >= 1 and row["rounds"] > 0
+        assert all(row[f"{s}_ms_per_round"] > 0 for s in ("draft", "select", "verify"))
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("tool", ["decode.cli", "decode.bench"])
+def test_help(tool):
+    res = subprocess.run([sys.executable, "-m", tool, "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "usage:" in res.stdout
+
+
+def _run(tool, *args):
+    return subprocess.run([sys.executable, "-m", tool, *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "nope"], "invalid choice"),
+    (["--budget", "0"], "positive integer"),
+    (["--max-new-tokens", "-3"], "positive integer"),
+])
+def test_decode_bad_flags(model_dir, args, message):
+    res = _run("decode.cli", "--model", str(model_dir), "--prompt", "x", *args)
+    assert res.returncode == 2
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) <= 3
+
+
+def test_decode_missing_model_dir(tmp_path):
+    res = _run("decode.cli", "--model", str(tmp_path / "nowhere"), "--prompt", "x")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "does not exist" in res.stderr
+
+
+def test_bench_bad_input(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+    cases = [
+        (["--policies", "ar,bogus"], "unknown policy"),
+        (["--budgets", "0"], "positive"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["--prompts", str(bad)], f"{bad}:2"),
+    ]
+    for args, message in cases:
+        res = _run("decode.bench", "--model", str(model_dir), *args)
+        assert res.returncode == 2, (args, res.stderr)
+        assert message in res.stderr, (args, res.stderr)
+        assert res.stderr.strip().count("\n") <= 2

@@ -1,0 +1,236 @@
+"""Drafter distillation: the anchor-keyed mask, learning, exact resume, export, lossless decoding.
+
+Everything runs on a tiny random target (vocab 64, 2 layers x 32) whose
+greedy continuations fall into short cycles: learnable in a few dozen steps.
+Its lm_head is scaled up so the frozen head can express confident drafts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from taps_jax.api import Target
+from taps_jax.config import ModelConfig
+from taps_jax.decoder import SpeculativeDecoder, load_drafter
+from taps_jax.models.drafter import Drafter
+from taps_jax.models.transformer import Transformer
+from train import distill as D
+
+VOCAB, KB, MASK = 64, 6, 2
+STEPS = 100
+
+
+def tiny_target() -> Target:
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    model = Transformer(cfg, nnx.Rngs(0))
+    model.lm_head.kernel.set_value(model.lm_head.kernel.get_value() * 8.0)
+    return Target(model, None, ())
+
+
+def tiny_drafter(target: Target, seed: int = 1) -> Drafter:
+    cfg = D.make_drafter_config(target.config, num_layers=1, block_size=KB, target_layer_ids=(0, 1),
+                                mask_token_id=MASK)
+    return Drafter(cfg, nnx.Rngs(seed))
+
+
+def prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, rng.integers(3, 9)).tolist() for _ in range(n)]
+
+
+def config(steps: int, **kw) -> D.DistillConfig:
+    return D.DistillConfig(**{"steps": steps, "batch_size": 4, "anchors_per_seq": 8, "log_every": 1,
+                              "eval_every": 0, "checkpoint_every_s": 0, **kw})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target = tiny_target()
+    seqs = D.generate_sequences(target, prompts(), 40, batch_size=16, greedy_fraction=1.0,
+                                cache_dir=tmp_path_factory.mktemp("gen"))
+    return target, seqs
+
+
+@pytest.fixture(scope="module")
+def trained(setup, tmp_path_factory):
+    target, seqs = setup
+    out = tmp_path_factory.mktemp("distill")
+    drafter = tiny_drafter(target)
+    graphdef = nnx.split(drafter)[0]
+    result = D.distill(target, drafter, seqs, seqs, out, config(STEPS), D.distill_optim(STEPS, lr=1e-2))
+    D.export(out / "export", graphdef, result.best_params)
+    return out, graphdef, result
+
+
+# --------------------------------------------------------------------------- the mask
+
+
+def test_mask_is_keyed_on_anchor_positions():
+    anchors = np.array([[5, 2, 9], [0, 7, 3]])
+    C, T = 12, 3 * KB
+    mask = np.asarray(D.anchor_block_mask(jnp.asarray(anchors), C, KB))
+    assert mask.shape == (2, T, C + T)
+    for b in range(2):
+        for t in range(T):
+            j = t // KB
+            want_ctx = np.arange(C) < anchors[b, j]  # strictly before the anchor
+            want_blk = np.arange(T) // KB == j  # its own block, every slot, nothing else
+            np.testing.assert_array_equal(mask[b, t, :C], want_ctx)
+            np.testing.assert_array_equal(mask[b, t, C:], want_blk)
+    assert not mask[1, :KB, :C].any()  # anchor 0 sees no context, only its block
+
+
+def test_blocks_see_only_earlier_context_and_their_own_block():
+    target = tiny_target()
+    drafter = tiny_drafter(target, seed=3)
+    # O(1) random weights so every input visibly moves the logits.
+    graphdef, params = nnx.split(drafter)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    leaves = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    drafter = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    fwd = nnx.jit(lambda d, t, *a: D.block_forward(d, t, *a))
+
+    B, S, F = 1, 24, 2 * 32
+    rng = np.random.default_rng(0)
+    taps = jnp.asarray(rng.standard_normal((B, S, F)), jnp.float32)
+    anchors = jnp.asarray([[12, 4, 17]], jnp.int32)  # not sorted: the mask must not rely on order
+    tokens = jnp.asarray(rng.integers(3, VOCAB, (B, S)), jnp.int32)
+    blocks = D.block_tokens(tokens, anchors, KB, MASK)
+    base = np.asarray(fwd(drafter, target.model, blocks, anchors, taps))
+    changed = lambda new: ~np.isclose(np.asarray(new), base, rtol=0, atol=1e-6).reshape(3, -1).all(-1)
+
+    # Context at and after block 0's anchor (12): block 0 unchanged, block 2 (anchor 17) sees it.
+    at_after = taps.at[:, 12:].add(1.0)
+    np.testing.assert_array_equal(changed(fwd(drafter, target.model, blocks, anchors, at_after)), [0, 0, 1])
+    # Exactly at the anchor position: still invisible to block 0 (strictly before).
+    at = taps.at[:, 12].add(1.0)
+    np.testing.assert_array_equal(changed(fwd(drafter, target.model, blocks, anchors, at)), [0, 0, 1])
+    # Just before it: visible to block 0 (and to block 2), not to block 1 (anchor 4).
+    before = taps.at[:, 11].add(1.0)
+    np.testing.assert_array_equal(changed(fwd(drafter, target.model, blocks, anchors, before)), [1, 0, 1])
+
+    # Another block's tokens (its anchor and mask slots): only that block moves.
+    other = blocks.at[:, 1].set(jnp.asarray(rng.integers(3, VOCAB, (B, KB)), jnp.int32))
+    np.testing.assert_array_equal(changed(fwd(drafter, target.model, other, anchors, taps)), [0, 1, 0])
+
+
+def test_anchor_sampling_and_labels():
+    lo, hi = D.anchor_range(prompt_len=5, length=30, block_size=KB, region="continuation")
+    assert (lo, hi) == (5, 30 - KB)
+    assert D.anchor_range(0, 30, KB, "all") == (0, 30 - KB)
+    assert D.anchor_range(5, 8, KB, "continuation") == (5, 6)  # cut short by EOS: labels masked
+    rng = np.random.default_rng(0)
+    a, v = D.sample_anchors(rng, 5, 7, 5)
+    assert sorted(a[v].tolist()) == [5, 6, 7] and v.sum() == 3
+
+    tokens = jnp.arange(20, dtype=jnp.int32)[None]
+    w = D.position_weights(KB)
+    np.testing.assert_allclose(w, np.exp(-np.arange(KB - 1) / (7 * (KB - 1) / 15)), rtol=1e-6)
+    assert D.default_gamma(16) == 7.0
+    labels, weights, valid = D.labels_and_weights(
+        tokens, jnp.asarray([[3, 14]]), jnp.asarray([[True, True]]), jnp.asarray([17]), jnp.asarray(w))
+    np.testing.assert_array_equal(labels[0, 0], np.arange(4, 4 + KB - 1))
+    np.testing.assert_array_equal(valid[0, 1], np.arange(15, 15 + KB - 1) < 17)
+    assert float(weights[0, 1, 2]) == 0.0 and float(weights[0, 1, 1]) == pytest.approx(w[1])
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_generation_mixes_modes_and_is_cached(tmp_path, monkeypatch):
+    target = tiny_target()
+    ps = prompts(4, seed=1)
+    seqs = D.generate_sequences(target, ps, 8, batch_size=2, greedy_fraction=0.5, temperature=1.0,
+                                cache_dir=tmp_path)
+    assert seqs.tokens.shape[0] == 4 and seqs.seq_len % 16 == 0
+    want_greedy = target.generate(ps[:2], 8).tokens
+    for i, p in enumerate(ps):
+        assert seqs.prompt_lens[i] == len(p) and seqs.lengths[i] == len(p) + 8
+        assert seqs.tokens[i, : len(p)].tolist() == p
+    for i in range(2):
+        assert seqs.tokens[i, len(ps[i]): seqs.lengths[i]].tolist() == want_greedy[i]
+    # A rerun loads the .npy cache without generating.
+    monkeypatch.setattr(Target, "generate", lambda *a, **k: pytest.fail("regenerated despite the cache"))
+    again = D.generate_sequences(target, ps, 8, batch_size=2, greedy_fraction=0.5, temperature=1.0,
+                                 cache_dir=tmp_path)
+    np.testing.assert_array_equal(again.tokens, seqs.tokens)
+    assert len(list(tmp_path.glob("train-*/tokens.npy"))) == 1
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_loss_decreases_and_validation_is_reported(trained):
+    out, _, result = trained
+    train = [float(r["loss"]) for r in result.history if r["split"] == "train"]
+    assert len(train) == STEPS
+    assert np.mean(train[-5:]) < train[0] - 0.8, train
+    rows = (out / "val_agreement.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert header[:5] == ["step", "loss", "acc_mean", "tau_cumprod", "tau_chain"]
+    assert header[5:] == [f"acc_{k}" for k in range(1, KB)]
+    last = dict(zip(header, rows[-1].split(",")))
+    assert int(last["step"]) == STEPS
+    acc = [float(last[f"acc_{k}"]) for k in range(1, KB)]
+    assert float(last["tau_cumprod"]) == pytest.approx(1 + np.cumprod(acc).sum(), abs=1e-3)
+    assert float(last["tau_chain"]) > 1.8  # it learned the cycles (an untrained drafter: ~1.0)
+    assert (out / "agreement.png").stat().st_size > 0 and (out / "loss.png").stat().st_size > 0
+
+
+def test_resume_gives_identical_next_step_loss(setup, tmp_path):
+    target, seqs = setup
+    steps, stop = 6, 3
+    optim = D.distill_optim(steps, lr=1e-2)
+    ref = D.distill(target, tiny_drafter(target), seqs, None, tmp_path / "ref", config(steps), optim)
+    D.distill(target, tiny_drafter(target), seqs, None, tmp_path / "cut", config(steps), optim, stop_after=stop)
+    # A fresh process would start from other weights: the checkpoint must overwrite them.
+    resumed = D.distill(target, tiny_drafter(target, seed=99), seqs, None, tmp_path / "cut", config(steps), optim,
+                        resume=True)
+    loss = lambda r: [float(x["loss"]) for x in r.history if x["split"] == "train"]
+    assert len(loss(resumed)) == steps
+    assert loss(resumed)[stop] == loss(ref)[stop]  # the next step after the resume
+    assert loss(resumed) == loss(ref)
+    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(ref.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- export and decoding
+
+
+def test_export_reloads_identically_and_decodes_losslessly(setup, trained):
+    target, seqs = setup
+    out, graphdef, result = trained
+    raw = json.loads((out / "export" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == KB
+    assert raw["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [0, 1]}
+
+    loaded = load_drafter(out / "export")
+    trained_module = nnx.merge(graphdef, result.best_params)
+    fwd = nnx.jit(lambda d, t, *a: D.block_forward(d, t, *a))
+    tokens = jnp.asarray(seqs.tokens[:2])
+    anchors = jnp.asarray([[8, 20], [9, 30]], jnp.int32)
+    taps = D.target_taps(target.model, tokens, (0, 1))
+    blocks = D.block_tokens(tokens, anchors, KB, MASK)
+    np.testing.assert_array_equal(np.asarray(fwd(loaded.module, target.model, blocks, anchors, taps)),
+                                  np.asarray(fwd(trained_module, target.model, blocks, anchors, taps)))
+
+    ps = prompts()[:4]
+    want = target.generate(ps, 24).tokens
+    got = SpeculativeDecoder(target, loaded, "chain", KB - 1).generate(ps, 24)
+    assert got.tokens == want
+    assert got.stats["tau"] > 1.3, got.stats  # the trained drafter is accepted, not just lossless
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert D.main(["--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert D.main(["--target", str(tmp_path), "--out", str(tmp_path / "o"), "--preset", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
