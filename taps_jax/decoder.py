@@ -12,6 +12,7 @@ from flax import nnx
 
 from taps_jax.api import GenerateResult, Target, load_target
 from taps_jax.checkpoints.dflash import load_drafter_module, save_drafter
+from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import bucket, check_lengths, pad_batch
@@ -20,7 +21,7 @@ from taps_jax.engine.speculative import SpecConfig, spec_generate
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
 
-POLICIES = ("ar", "chain", "ddtree")
+POLICIES = ("ar", "chain", "ddtree", "taps")
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default"
 
 
@@ -46,7 +47,11 @@ def load_drafter(path, dtype: str = "float32") -> DrafterModel:
 
 def tree_config(policy: str, budget: int, vocab_size: int, lattice_k: int | None = None,
                 beam_width: int | None = None) -> TreeConfig:
-    """A TreeConfig for a policy; by default K and W are wide enough for exact DDTree."""
+    """A TreeConfig for a policy; by default K and W are wide enough for exact DDTree.
+
+    For "taps" the same default pool holds DDTree's top-M set, and the scorer
+    re-ranks the H * W pool nodes.
+    """
     if policy not in POLICIES or policy == "ar":
         raise ValueError(f"unknown tree policy {policy!r}; choose one of {', '.join(p for p in POLICIES if p != 'ar')}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -58,21 +63,36 @@ def tree_config(policy: str, budget: int, vocab_size: int, lattice_k: int | None
 class SpeculativeDecoder:
     """Lossless speculative decoding with a block-diffusion drafter.
 
-    policy: "ar" (plain autoregressive), "chain" (DFlash's argmax path) or
-    "ddtree" (top-`budget` prefixes by draft log-prob), verified in one target
-    forward per round.
+    policy: "ar" (plain autoregressive), "chain" (DFlash's argmax path),
+    "ddtree" (top-`budget` prefixes by draft log-prob) or "taps" (top-`budget`
+    prefixes by the reach of a learned scorer's q_cond; pass `scorer`, a
+    `ScorerModel` from `load_scorer`), verified in one target forward per round.
     """
 
     def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "ddtree", budget: int = 32,
-                 lattice_k: int | None = None, beam_width: int | None = None):
+                 lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.scorer = None
         if drafter is None:
             if policy != "ar":
                 raise ValueError(f"policy {policy!r} needs a drafter; load one with load_drafter(path) or use policy 'ar'")
             self.target, self.drafter, self.policy, self.tree = target, None, policy, None
             return
         drafter.config.check_target(target.config)
+        if policy == "taps":
+            if scorer is None:
+                raise ValueError(
+                    "policy 'taps' needs a trained scorer: collect traces with `python -m train.traces --target DIR "
+                    "--drafter DIR --prompts FILE --out TRACES`, train one with `python -m train.scorer --traces "
+                    "TRACES --target DIR --out OUT` and pass scorer=load_scorer('OUT/scorer') (or a model set with "
+                    "scorer/); or use policy 'ddtree'"
+                )
+            if not isinstance(scorer, ScorerModel):
+                raise ValueError(f"scorer must be a ScorerModel (from load_scorer(path)), got {type(scorer).__name__}")
+            scorer.check_models(target.config, drafter.config)
+            self.scorer = scorer
+            self._scorer_graphdef, self._scorer_params = nnx.split(scorer.module)
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -113,6 +133,7 @@ class SpeculativeDecoder:
             self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
             jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active), jax.random.key(seed),
             config=SpecConfig(decode, self.tree),
+            **({"scorer_graphdef": self._scorer_graphdef, "scorer_params": self._scorer_params} if self.scorer is not None else {}),
         )
         rounds, accepted = np.asarray(rounds)[: len(ids)], np.asarray(accepted)[: len(ids)]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(len(ids))]
@@ -131,7 +152,7 @@ class ModelSet:
 
     target: Target
     drafter: DrafterModel | None = None
-    scorer: object | None = None
+    scorer: ScorerModel | None = None
 
 
 def load_model_set(path, dtype: str = "float32") -> ModelSet:
@@ -143,4 +164,5 @@ def load_model_set(path, dtype: str = "float32") -> ModelSet:
         raise ValueError(f"{path}: no target/ subdirectory; a model set holds target/ and drafter/")
     target = load_target(path / "target", dtype)
     drafter = load_drafter(path / "drafter", dtype) if (path / "drafter").is_dir() else None
-    return ModelSet(target, drafter)
+    scorer = load_scorer(path / "scorer") if (path / "scorer").is_dir() else None
+    return ModelSet(target, drafter, scorer)

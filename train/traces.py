@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -321,18 +322,23 @@ def read_meta(trace_dir) -> dict:
     return meta
 
 
-def check_traces_for_target(meta: dict, target: Target, source: str = "traces") -> None:
+def check_traces_for_embedding(meta: dict, target_config, embed_VD, source: str = "traces") -> None:
     """ValueError naming both values if the traces were collected with another target."""
-    want, got = meta["target"], target.config
-    for key, value in (("vocab_size", got.vocab_size), ("hidden_size", got.hidden_size)):
+    want = meta["target"]
+    for key in ("vocab_size", "hidden_size"):
+        value = getattr(target_config, key)
         if want[key] != value:
             raise ValueError(f"{source} were collected with a target of {key}={want[key]}, but the given target has "
                              f"{key}={value}; pass the target the traces were collected with, or re-collect them")
-    probe = embed_probe(target_embedding(target))
+    probe = embed_probe(embed_VD)
     if not np.allclose(want["embed_probe"], probe, rtol=2e-2, atol=1e-4):
         raise ValueError(f"{source} were collected with a target of the same shape but other embedding weights "
-                         f"(embedding probe {want['embed_probe'][:3]}... vs {probe[:3]}...); pass the target the "
+                         f"(embedding probe {want['embed_probe'][:2]}... vs {probe[:2]}...); pass the target the "
                          f"traces were collected with")
+
+
+def check_traces_for_target(meta: dict, target: Target, source: str = "traces") -> None:
+    check_traces_for_embedding(meta, target.config, target_embedding(target), source)
 
 
 def load_traces(trace_dir, expect: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
@@ -430,7 +436,9 @@ def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceCo
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     desc = describe(target, drafter, config)
-    meta = {"format": FORMAT, "version": VERSION, **desc, "prompts": {"count": len(ids), "source": source},
+    digest = hashlib.sha1(json.dumps(ids).encode()).hexdigest()
+    meta = {"format": FORMAT, "version": VERSION, **desc,
+            "prompts": {"count": len(ids), "digest": digest, "source": source},
             "fields": {k: [np.dtype(dt).name, list(shape)] for k, (dt, shape) in FIELDS.items()},
             "shards": [], "rows": 0, "rounds_accepted": 0, "complete": False}
     done = 0
@@ -440,9 +448,9 @@ def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceCo
         if d:
             raise ValueError(f"{out} already holds traces of another configuration ({d}); use another --out "
                              f"or delete that directory")
-        if old["prompts"]["count"] != len(ids):
-            raise ValueError(f"{out} holds traces of a prompt set of {old['prompts']['count']} prompts, not "
-                             f"{len(ids)}; use another --out or delete that directory")
+        if old["prompts"].get("digest") != digest:
+            raise ValueError(f"{out} holds traces of another prompt set ({old['prompts']['count']} prompts from "
+                             f"{old['prompts'].get('source')}); use another --out or delete that directory")
         meta = old
         done = meta["shards"][-1]["prompt_end"] if meta["shards"] else 0
     _write_meta(out, meta)
@@ -528,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the shards written so far are kept; run the same command again to resume after "
+              f"the last one", file=sys.stderr)
+        return 130
     print(f"{meta['rows']} rows ({meta['pool']['nodes']} pool nodes each) from {meta['prompts']['count']} prompts "
           f"in {len(meta['shards'])} shards under {args.out}; decoding tau "
           f"{meta['rounds_accepted'] / max(meta['rows'], 1):.2f}", flush=True)

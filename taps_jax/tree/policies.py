@@ -100,6 +100,7 @@ class TreeConfig:
         """True when the static-shape ddtree equals the best-first heap."""
         return (
             self.policy == "ddtree"
+            and self.selection == "reach"
             and self.beam_width >= self.budget
             and self.lattice_k >= min(self.budget, vocab_size)
         )

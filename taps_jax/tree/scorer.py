@@ -13,8 +13,9 @@ Inputs (DESIGN.md section 6), all arrays the round already has:
     margin(d_v), top-K mass(d_v), d_v / H, cum log-prob, cum log-prob / d_v],
     projected drafter hidden state of the position that produced v (d_v - 1).
   other at u: projected embedding of x_u, depth embedding of d_u, the same
-    scalars at u (all zeros for the root), projected drafter hidden state at
-    index d_u (the one that predicts u's children).
+    scalars at u with the step log-prob set to 0 (all zeros for the root),
+    projected drafter hidden state at index d_u (the one that predicts u's
+    children).
   heads: LayerNorm -> Dense(mlp_dim) -> SiLU -> Dense(1), one per kind.
 
 Parent slots are numbered s = parent + 1 (root 0, pool node n -> 1 + n), so a
@@ -167,7 +168,10 @@ class Scorer(nnx.Module):
         hid_u_BSP = jnp.take_along_axis(hid_BHP, jnp.clip(slot_depth_BS, 0, H - 1)[..., None], axis=1)
 
         scal_BNF = node_scalars(inputs, self.config.vocab_size)
-        scal_BSF = jnp.concatenate([jnp.zeros((B, 1, NUM_SCALARS), jnp.float32), scal_BNF], axis=1)
+        # "other" at u reads u's scalars with the step log-prob zeroed (it is no
+        # edge); the root's are all zeros.
+        scal_BSF = jnp.concatenate([jnp.zeros((B, 1, NUM_SCALARS), jnp.float32), scal_BNF.at[..., 0].set(0.0)],
+                                   axis=1)
 
         edge_in = jnp.concatenate(
             [tok_v_BNP, tok_u_BNP, self.depth_embed(jnp.clip(depth_BN, 0, H)), scal_BNF, hid_v_BNP], axis=-1)
@@ -225,13 +229,16 @@ def grouped_log_softmax(edge_BN, other_BS, parent_BN, valid_BN) -> tuple[jax.Arr
     seg_max_BS = jax.vmap(lambda e, s: jax.ops.segment_max(e, s, num_segments=S))(edge_BN, seg_BN)
     shift_BS = jax.lax.stop_gradient(jnp.maximum(other_BS, seg_max_BS))  # finite: other is finite
     shift_v_BN = jnp.take_along_axis(shift_BS, seg_BN, axis=1)
-    exp_BN = jnp.where(valid_BN, jnp.exp(jnp.where(valid_BN, edge_BN - shift_v_BN, 0.0)), 0.0)
+    shifted_BN = jnp.where(valid_BN, edge_BN - shift_v_BN, 0.0)
+    exp_BN = jnp.where(valid_BN, jnp.exp(shifted_BN), 0.0)
     sum_BS = jnp.exp(other_BS - shift_BS) + jax.vmap(
         lambda e, s: jax.ops.segment_sum(e, s, num_segments=S))(exp_BN, seg_BN)
-    logz_BS = shift_BS + jnp.log(sum_BS)
-    logz_v_BN = jnp.take_along_axis(logz_BS, seg_BN, axis=1)
-    log_qcond_BN = jnp.where(valid_BN, jnp.where(valid_BN, edge_BN, 0.0) - logz_v_BN, -jnp.inf)
-    return log_qcond_BN, other_BS - logz_BS
+    # (x - shift) - log(sum): the shifted logit is exact when x is near the
+    # shift, so large logits lose no precision to a large log-normaliser.
+    log_sum_BS = jnp.log(sum_BS)
+    log_sum_v_BN = jnp.take_along_axis(log_sum_BS, seg_BN, axis=1)
+    log_qcond_BN = jnp.where(valid_BN, shifted_BN - log_sum_v_BN, -jnp.inf)
+    return log_qcond_BN, (other_BS - shift_BS) - log_sum_BS
 
 
 def scorer_log_qcond(scorer: Scorer, inputs: ScorerInputs, embed_VD) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,358 @@
+"""Train the TAPS scorer on traces (see train/traces.py).
+
+Loss per batch = mean over parent groups of KL(p* || q) over {pool children,
+other} + 0.5 * mean over pool nodes of BCE(q_reach, reach*), where q is the
+scorer's grouped softmax and q_reach its product along the path. AdamW
+(lr 3e-3, weight decay 1e-4) with a cosine schedule; the validation split is
+by PROMPT (no prompt contributes rows to both sides); the checkpoint with the
+best validation loss is exported. Runs on `train.loop` (orbax checkpoints,
+resumable with --resume, progress bar, metrics.csv + loss.png).
+
+Outputs under --out: checkpoints/, best/, metrics.csv, loss.png (the loop's)
+and scorer/ (config.json + model.safetensors, loadable with
+`taps_jax.load_scorer`).
+
+CLI: python -m train.scorer --traces DIR --target DIR --out DIR [--steps N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm import tqdm
+
+from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
+from taps_jax.checkpoints.scorer import ScorerModel, save_scorer
+from taps_jax.checkpoints.tensors import safetensor_files
+from taps_jax.config import ModelConfig
+from taps_jax.tree.pool import Pool
+from taps_jax.tree.scorer import Scorer, ScorerConfig, ScorerInputs, scorer_log_qcond
+from taps_jax.tree.select import reach
+from train import loop
+from train.traces import check_traces_for_embedding, load_traces
+
+EMBED_NAME = "model.embed_tokens.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerTrainConfig:
+    steps: int = 2000
+    batch_size: int = 32  # trace rows (one sequence-round each) per step
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    warmup_steps: int | None = None  # default: 2% of the steps
+    min_lr_ratio: float = 0.0
+    val_fraction: float = 0.1  # of the PROMPTS
+    eval_every: int = 200
+    log_every: int = 10
+    checkpoint_every_s: float = 600.0
+    checkpoint_every: int = 0
+    seed: int = 0
+    token_dim: int = 32
+    hidden_dim: int = 32
+    depth_dim: int = 16
+    mlp_dim: int = 64
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+    def optim(self) -> loop.OptimConfig:
+        warmup = self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 50)
+        return loop.OptimConfig(lr=self.lr, warmup_steps=warmup, total_steps=self.steps,
+                                min_lr_ratio=self.min_lr_ratio, weight_decay=self.weight_decay)
+
+
+# --------------------------------------------------------------------------- target embedding
+
+
+def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
+    """The target's config and its [V, D] token embedding table (float32), nothing else."""
+    path = check_dir(path)
+    config = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
+    for file in safetensor_files(path):
+        with safe_open(str(file), framework="flax") as f:
+            if EMBED_NAME in f.keys():
+                with jax.default_device(jax.devices("cpu")[0]):
+                    table = np.asarray(f.get_tensor(EMBED_NAME), np.float32)
+                break
+    else:
+        raise ValueError(f"{path}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
+    if table.shape != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{path}: {EMBED_NAME} has shape {table.shape}, the config expects "
+                         f"{(config.vocab_size, config.hidden_size)}")
+    return config, table
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def inputs_from_batch(batch: dict, width: int) -> ScorerInputs:
+    """ScorerInputs of a batch of trace rows (the scorer's own view of a round)."""
+    pool = Pool(
+        parent_BN=batch["parent"].astype(jnp.int32),
+        token_BN=batch["token"].astype(jnp.int32),
+        depth_BN=batch["depth"].astype(jnp.int32),
+        rank_BN=batch["rank"].astype(jnp.int32),
+        step_logprob_BN=batch["step_logprob"].astype(jnp.float32),
+        cum_logprob_BN=batch["cum_logprob"].astype(jnp.float32),
+        valid_BN=batch["valid"].astype(bool),
+        width=width,
+    )
+    return ScorerInputs(pool, batch["entropy"], batch["margin"], batch["topk_mass"], batch["hidden"],
+                        batch["root_token"].astype(jnp.int32))
+
+
+def scorer_loss(pool: Pool, log_q_BN, log_qo_BS, p_BN, po_BS, reach_BN, row_w_B):
+    """(KL + 0.5 * BCE, {"kl", "bce"}), weighted by row (padding rows weigh 0).
+
+    KL(p* || q) per parent group over {pool children, other}, averaged over the
+    groups that have at least one pool child; BCE(q_reach, reach*) averaged
+    over valid pool nodes.
+    """
+    B, N = p_BN.shape
+    S = N + 1
+    valid = pool.valid_BN
+    seg_BN = jnp.maximum(pool.parent_BN + 1, 0)
+    segsum = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=S))
+    p_BN = jnp.where(valid, p_BN.astype(jnp.float32), 0.0)
+    po_BS = po_BS.astype(jnp.float32)
+    lq_BN = jnp.where(valid, log_q_BN, 0.0)
+    kl_child_BN = jnp.where(valid, jax.scipy.special.xlogy(p_BN, p_BN) - p_BN * lq_BN, 0.0)
+    kl_BS = segsum(kl_child_BN, seg_BN) + jax.scipy.special.xlogy(po_BS, po_BS) - po_BS * log_qo_BS
+    group_w_BS = (segsum(valid.astype(jnp.float32), seg_BN) > 0) * row_w_B[:, None]
+    kl = jnp.sum(jnp.where(group_w_BS > 0, kl_BS, 0.0) * group_w_BS) / jnp.maximum(jnp.sum(group_w_BS), 1.0)
+
+    log_r_BN = jnp.where(valid, reach(pool, lq_BN), -1.0)
+    log_r_BN = jnp.minimum(log_r_BN, -1e-6)  # keeps log(1 - q_reach) finite
+    log_1mr_BN = jnp.log(-jnp.expm1(log_r_BN))
+    r_BN = reach_BN.astype(jnp.float32)
+    bce_BN = -(r_BN * log_r_BN + (1.0 - r_BN) * log_1mr_BN)
+    node_w_BN = valid * row_w_B[:, None]
+    bce = jnp.sum(jnp.where(valid, bce_BN, 0.0) * node_w_BN) / jnp.maximum(jnp.sum(node_w_BN), 1.0)
+    return kl + 0.5 * bce, {"kl": kl, "bce": bce}
+
+
+def make_loss_fn(graphdef, width: int):
+    def loss_fn(params, batch):
+        scorer = nnx.merge(graphdef, params)
+        inputs = inputs_from_batch(batch, width)
+        log_q, log_qo = scorer_log_qcond(scorer, inputs, batch["embed"])
+        return scorer_loss(inputs.pool, log_q, log_qo, batch["p_star"], batch["p_other"], batch["reach_star"],
+                           batch["row_weight"])
+
+    return loss_fn
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"))
+def _top1_counts(graphdef, params, batch, *, width: int):
+    """(scorer correct, drafter correct, groups whose target argmax is a pool child, groups with children)."""
+    scorer = nnx.merge(graphdef, params)
+    inputs = inputs_from_batch(batch, width)
+    log_q, _ = scorer_log_qcond(scorer, inputs, batch["embed"])
+    pool = inputs.pool
+    N = log_q.shape[1]
+    S = N + 1
+    seg = jnp.maximum(pool.parent_BN + 1, 0)
+    segmax = jax.vmap(lambda x, s: jax.ops.segment_max(x, s, num_segments=S))
+    segany = jax.vmap(lambda x, s: jax.ops.segment_max(x.astype(jnp.int32), s, num_segments=S) > 0)
+    want_BN = jnp.take_along_axis(batch["target_argmax"].astype(jnp.int32), seg, axis=1)
+    hit_BN = pool.valid_BN & (pool.token_BN == want_BN)
+    row = batch["row_weight"][:, None] > 0
+
+    def correct(score_BN):
+        score_BN = jnp.where(pool.valid_BN, score_BN, -jnp.inf)
+        best_BN = score_BN == jnp.take_along_axis(segmax(score_BN, seg), seg, axis=1)
+        return jnp.sum(segany(hit_BN & best_BN, seg) & row)
+
+    eligible = jnp.sum(segany(hit_BN, seg) & row)
+    groups = jnp.sum(segany(pool.valid_BN, seg) & row)
+    return correct(log_q), correct(pool.step_logprob_BN), eligible, groups
+
+
+# --------------------------------------------------------------------------- data
+
+
+class TraceBatches:
+    """Fixed-size batches of trace rows; `batch_at(step)` is a pure function of the step."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], rows: np.ndarray, batch_size: int, seed: int, embed):
+        self.arrays, self.rows, self.batch_size, self.seed, self.embed = arrays, rows, batch_size, seed, embed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.clear()
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+        return self._perms[epoch]
+
+    def take(self, idx: np.ndarray, weight: np.ndarray | None = None) -> dict:
+        batch = {k: v[idx] for k, v in self.arrays.items() if k not in ("prompt_id", "round", "length")}
+        batch["row_weight"] = np.ones(len(idx), np.float32) if weight is None else weight
+        batch["embed"] = self.embed
+        return batch
+
+    def batch_at(self, step: int) -> dict:
+        n = len(self.rows)
+        pos = step * self.batch_size + np.arange(self.batch_size)
+        idx = np.array([self._perm(int(p // n))[p % n] for p in pos])
+        return self.take(idx)
+
+    def fixed(self) -> list[dict]:
+        """All rows once, in order, the last batch padded with weight-0 rows."""
+        out = []
+        for start in range(0, len(self.rows), self.batch_size):
+            idx = self.rows[start:start + self.batch_size]
+            weight = np.zeros(self.batch_size, np.float32)
+            weight[: len(idx)] = 1.0
+            idx = np.concatenate([idx, np.full(self.batch_size - len(idx), idx[0])])
+            out.append(self.take(idx, weight))
+        return out
+
+
+def split_by_prompt(prompt_id: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, val rows): whole prompts go to one side."""
+    prompts = np.unique(prompt_id)
+    if val_fraction == 0:
+        return np.arange(len(prompt_id)), np.zeros(0, np.int64)
+    if len(prompts) < 2:
+        raise ValueError(f"the traces cover {len(prompts)} prompt(s); a validation split by prompt needs at least 2 "
+                         f"(collect traces on more prompts, or pass --val-fraction 0)")
+    n_val = min(len(prompts) - 1, max(1, int(round(val_fraction * len(prompts)))))
+    val_prompts = np.random.default_rng(seed).permutation(prompts)[:n_val]
+    is_val = np.isin(prompt_id, val_prompts)
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainConfig(), *, resume: bool = False,
+                 progress: bool = True) -> dict:
+    """Train on a trace dir; export the best scorer to out/scorer. Returns a summary dict.
+
+    target: a target checkpoint dir, or a (ModelConfig, embedding [V, D]) pair.
+    """
+    out = Path(out)
+    if isinstance(target, (str, Path)):
+        target_config, embed = load_target_embedding(target)
+    else:
+        target_config, embed = target
+    meta, arrays = load_traces(traces)
+    check_traces_for_embedding(meta, target_config, embed, source=f"the traces in {traces}")
+    width, horizon = meta["pool"]["beam_width"], meta["pool"]["horizon"]
+    scorer_config = ScorerConfig(
+        vocab_size=target_config.vocab_size, embed_dim=target_config.hidden_size,
+        drafter_hidden_size=meta["drafter"]["hidden_size"], horizon=horizon, token_dim=config.token_dim,
+        hidden_dim=config.hidden_dim, depth_dim=config.depth_dim, mlp_dim=config.mlp_dim,
+    )
+    train_rows, val_rows = split_by_prompt(arrays["prompt_id"], config.val_fraction, config.seed)
+    embed_dev = jnp.asarray(embed, jnp.float32)
+    train_data = TraceBatches(arrays, train_rows, config.batch_size, config.seed, embed_dev)
+    val_data = TraceBatches(arrays, val_rows, config.batch_size, config.seed, embed_dev)
+
+    graphdef, params = nnx.split(Scorer(scorer_config, nnx.Rngs(config.seed)))
+    loss_fn = make_loss_fn(graphdef, width)
+    optim = config.optim()
+    optimizer = loop.make_optimizer(optim)
+    state = loop.TrainState.create(params, optimizer)
+    val_batches = val_data.fixed() if len(val_rows) else []
+    evaluate = loop.make_eval_fn(loss_fn, val_batches) if val_batches else None
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    if progress:
+        tqdm.write(f"scorer: {n_params:,} params; {len(train_rows)} train rows / {len(val_rows)} val rows "
+                   f"({len(np.unique(arrays['prompt_id'][val_rows]))} val prompts); pool N={meta['pool']['nodes']}")
+    loop_config = loop.LoopConfig(
+        total_steps=config.steps, tokens_per_step=config.batch_size * meta["pool"]["nodes"],
+        log_every=min(config.log_every, config.steps), eval_every=config.eval_every,
+        checkpoint_every_s=config.checkpoint_every_s, checkpoint_every=config.checkpoint_every,
+    )
+    run_meta = {"scorer_config": dataclasses.asdict(scorer_config), "traces": str(traces)}
+    result = loop.run(loop_config, state, loop.make_train_step(loss_fn, optimizer), train_data.batch_at, out,
+                      evaluate=evaluate, resume=resume, meta=run_meta, optim=optim, desc="scorer")
+
+    best = result.best_params if result.best_params is not None else result.state.params
+    train_losses = [float(r["loss"]) for r in result.history if r["split"] == "train"]
+    summary = {
+        "steps": int(result.state.step),
+        "train_loss": train_losses[-1] if train_losses else float("nan"),
+        "val_loss": result.best_val if val_batches else float("nan"),
+        "best_step": result.best_step,
+        "params": n_params,
+    }
+    if val_batches:
+        counts = np.sum([jax.device_get(_top1_counts(graphdef, best, b, width=width)) for b in val_batches], axis=0)
+        sc, dr, eligible, groups = (int(c) for c in counts)
+        summary.update(val_top1_accuracy=sc / max(eligible, 1), val_top1_drafter=dr / max(eligible, 1),
+                       val_argmax_in_pool=eligible / max(groups, 1))
+    training = {
+        "traces": str(traces), "pool": meta["pool"], "decode": meta["decode"], "target": meta["target"],
+        "steps": summary["steps"], "best_step": summary["best_step"], "val_loss": summary["val_loss"],
+    }
+    model = ScorerModel(nnx.merge(graphdef, best), training)
+    save_scorer(model.module, out / "scorer", training)
+    summary["scorer_dir"] = str(out / "scorer")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = ScorerTrainConfig()
+    p = argparse.ArgumentParser(description="Train the TAPS scorer on traces from `python -m train.traces`.")
+    p.add_argument("--traces", type=Path, required=True, help="trace dir (meta.json + shards)")
+    p.add_argument("--target", type=Path, required=True, help="the target checkpoint the traces were collected with")
+    p.add_argument("--out", type=Path, required=True, help="training dir; the scorer is exported to OUT/scorer")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="trace rows per step")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="fraction of PROMPTS held out")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--mlp-dim", type=int, default=d.mlp_dim)
+    p.add_argument("--token-dim", type=int, default=d.token_dim)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    args = p.parse_args(argv)
+    try:
+        config = ScorerTrainConfig(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+            warmup_steps=args.warmup_steps, val_fraction=args.val_fraction, eval_every=args.eval_every,
+            checkpoint_every_s=args.checkpoint_every_s, seed=args.seed, mlp_dim=args.mlp_dim,
+            token_dim=args.token_dim,
+        )
+        s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the last checkpoint is under {args.out}; continue with the same command plus --resume",
+              file=sys.stderr)
+        return 130
+    line = f"final train loss {s['train_loss']:.4f}  val loss {s['val_loss']:.4f} (best step {s['best_step']})"
+    if "val_top1_accuracy" in s:
+        line += (f"  val top-1 child = target argmax: {s['val_top1_accuracy']:.3f} (drafter's own ranking "
+                 f"{s['val_top1_drafter']:.3f}; argmax in pool for {s['val_argmax_in_pool']:.1%} of groups)")
+    print(line, flush=True)
+    print(f"scorer written to {s['scorer_dir']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
