@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from decode.common import add_model_args, load_models, positive_int, run
+from decode.common import Parser, add_model_args, load_models, positive_int, run
 from decode.prompts import read_prompts
 from decode.stages import stage_times_ms
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
@@ -46,9 +46,8 @@ def _policies(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="taps-bench", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="taps-bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--scorer", type=Path, help="TAPS scorer dir; overrides --model's scorer/")
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL file, one {\"prompt\": ...} per line (default: the embedded held-out set)")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
@@ -95,9 +94,6 @@ def main(argv=None) -> int:
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     models = load_models(args)
-    if args.scorer is not None:
-        from taps_jax import load_scorer
-        models.scorer = load_scorer(args.scorer)
     spec_policies = [p for p in args.policies if p != "ar"]
     if spec_policies and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")

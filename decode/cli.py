@@ -6,12 +6,12 @@ import argparse
 import sys
 import time
 
-from decode.common import add_model_args, load_models, positive_int, run
+from decode.common import Parser, add_model_args, load_models, positive_int, run
 from taps_jax.decoder import POLICIES, SpeculativeDecoder
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="taps-decode",
         description="Generate text with lossless speculative decoding (block-diffusion drafter + tree verification).",
     )
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     models = load_models(args)
     if models.target.tokenizer is None:
         raise ValueError("the target has no tokenizer.json, so text prompts cannot be encoded")
+    if args.policy == "taps" and models.scorer is None:
+        raise ValueError("--policy taps needs a scorer: pass --scorer DIR or a --model dir with scorer/ "
+                         "(train one with python -m train.scorer), or use --policy ddtree")
     if args.policy != "ar" and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/, or use --policy ar")
     decoder = SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget,

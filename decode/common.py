@@ -6,8 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter, load_model_set
-from taps_jax.api import load_target
+from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
+from taps_jax import load_scorer, load_target
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -16,22 +23,31 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help=f"model directory with target/, drafter/ (and scorer/); default: the embedded set ({DEFAULT_MODEL_DIR})")
     g.add_argument("--target", type=Path, help="target checkpoint dir (Hugging Face layout); overrides --model's")
     g.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint dir; overrides --model's")
+    g.add_argument("--scorer", type=Path, help="TAPS scorer dir (for --policy taps); overrides --model's scorer/")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter/activation dtype (default float32)")
 
 
 def load_models(args) -> ModelSet:
-    """--target/--drafter override the parts of --model (or the embedded default)."""
-    if args.target is None or (args.drafter is None and getattr(args, "policy", "ar") != "ar"):
-        base = args.model or DEFAULT_MODEL_DIR
-        models = load_model_set(base, args.dtype)
-    else:
-        models = ModelSet(load_target(args.target, args.dtype))
-    if args.target is not None:
-        models.target = load_target(args.target, args.dtype)
-    if args.drafter is not None:
-        models.drafter = load_drafter(args.drafter, args.dtype)
-    return models
+    """Each part from its own flag, else from --model (the embedded set when neither --model nor --target)."""
+    base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
+    if base is not None and not Path(base).is_dir():
+        raise ValueError(f"model directory {str(base)!r} does not exist")
+
+    def part(flag, name):
+        if flag is not None:
+            return flag
+        return base / name if base is not None and (base / name).is_dir() else None
+
+    target_dir = part(args.target, "target")
+    if target_dir is None:
+        raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
+    drafter_dir, scorer_dir = part(args.drafter, "drafter"), part(args.scorer, "scorer")
+    return ModelSet(
+        load_target(target_dir, args.dtype),
+        load_drafter(drafter_dir, args.dtype) if drafter_dir else None,
+        load_scorer(scorer_dir) if scorer_dir else None,
+    )
 
 
 def positive_int(text: str) -> int:

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from taps_jax.checkpoints.hf import check_dir, load_transformer, save_transformer
+from taps_jax import sharding
+from taps_jax.checkpoints.hf import _prefix, check_dir, config_from_hf, load_transformer, read_json, save_transformer
 from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
 from taps_jax.config import ModelConfig
 from taps_jax.engine.ar import DecodeConfig, ar_generate
@@ -37,13 +38,30 @@ def _logits(graphdef, params, tokens_BT):
 
 
 class Target:
-    """A target model with its tokenizer; the unit every decoder builds on."""
+    """A target model with its tokenizer; the unit every decoder builds on.
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, eos_ids: tuple[int, ...] = ()):
+    mesh: a `taps_jax.sharding.make_mesh` mesh; the params are placed on it by
+    the logical-axis rules (heads / kv heads / MLP / vocab over "model") and
+    `generate` splits the batch over "data" (padding it to a multiple of the
+    data axis). None (default): one device, as before.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, eos_ids: tuple[int, ...] = (),
+                 mesh=None):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            sharding.check_config(model.config, mesh, "target")
+            self.params = sharding.shard_params(self.params, mesh)
+
+    def on_mesh(self, mesh) -> "Target":
+        """The same model and tokenizer with params placed on `mesh` (None: one device)."""
+        if mesh is self.mesh:
+            return self
+        return Target(nnx.merge(self.graphdef, self.params), self.tokenizer, self.eos_ids, mesh)
 
     @property
     def config(self) -> ModelConfig:
@@ -94,13 +112,15 @@ class Target:
         ids = self.encode(prompts)
         if capacity is None:
             capacity = bucket(max(map(len, ids)) + max_new_tokens)
-        prompt, lens, active = pad_batch(ids, capacity)
+        prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(self.mesh))
         config = DecodeConfig(max_new_tokens, int(capacity), sampling, self.eos_ids if stop_at_eos else ())
-        out, n, finish = ar_generate(
-            self.graphdef, self.params, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active),
-            jax.random.key(seed), config=config,
-        )
-        return self._result(np.asarray(out), np.asarray(n), np.asarray(finish), len(ids))
+        mesh = self.mesh
+        with sharding.use_mesh(mesh):
+            out, n, finish = ar_generate(
+                self.graphdef, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
+                sharding.put_batch(active, mesh), jax.random.key(seed), config=config,
+            )
+        return self._result(*map(sharding.to_host, (out, n, finish)), len(ids))
 
     def _result(self, out, n, finish, count, stats=None) -> GenerateResult:
         tokens = [out[b, : n[b]].tolist() for b in range(count)]
@@ -117,10 +137,27 @@ class Target:
             self.tokenizer.save(path / "tokenizer.json")
 
 
-def load_target(path, dtype: str = "float32") -> Target:
-    """Load a Hugging Face target checkpoint directory (Qwen3, Llama 3, Qwen2)."""
+def load_target(path, dtype: str = "float32", mesh=None) -> Target:
+    """Load a Hugging Face target checkpoint directory (Qwen3, Llama 3, Qwen2).
+
+    mesh: load straight onto a device mesh (`taps_jax.sharding.make_mesh`):
+    every parameter is assembled from the slices its devices hold, read
+    lazily from the safetensors files, so on a multi-host slice each host
+    reads only its own shards. None (default): one device.
+    """
     path = check_dir(path)
-    model, raw = load_transformer(path, dtype)
+    if mesh is None:
+        model, raw = load_transformer(path, dtype)
+    else:
+        raw = read_json(path / "config.json")
+        config = config_from_hf(raw, str(path / "config.json"), dtype)
+        sharding.check_config(config, mesh, "target")
+        abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+
+        def ignore(name: str) -> bool:  # as load_transformer: derived rotary buffers, tied copies of lm_head
+            return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
+
+        model = sharding.load_module(abstract, path, _prefix, str(path), mesh, ignore)
     eos = stop_ids(path, raw)
     tokenizer = Tokenizer.from_file(path / "tokenizer.json", eos) if (path / "tokenizer.json").is_file() else None
-    return Target(model, tokenizer, eos)
+    return Target(model, tokenizer, eos, mesh)

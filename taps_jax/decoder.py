@@ -106,6 +106,23 @@ class SpeculativeDecoder:
     def horizon(self) -> int:
         return self.drafter.config.block_size - 1
 
+    def prepare(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int = 0, capacity: int | None = None, stop_at_eos: bool = True):
+        """Checked, padded inputs of `spec_generate`: (prompt ids, positional args, keyword args)."""
+        check_lengths(max_new_tokens)
+        sampling = SamplingConfig(temperature, top_k, top_p)
+        ids = self.target.encode(prompts)
+        tree_size = self.tree.tree_size(self.horizon)
+        capacity = capacity or bucket(max(map(len, ids)) + max_new_tokens + tree_size + self.horizon + 1)
+        prompt, lens, active = pad_batch(ids, capacity)
+        decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else ())
+        args = (self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
+                jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active), jax.random.key(seed))
+        kwargs = {"config": SpecConfig(decode, self.tree)}
+        if self.scorer is not None:
+            kwargs.update(scorer_graphdef=self._scorer_graphdef, scorer_params=self._scorer_params)
+        return ids, args, kwargs
+
     def generate(
         self,
         prompts,
@@ -122,19 +139,9 @@ class SpeculativeDecoder:
         if self.policy == "ar":
             return self.target.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                                         top_p=top_p, seed=seed, capacity=capacity, stop_at_eos=stop_at_eos)
-        check_lengths(max_new_tokens)
-        sampling = SamplingConfig(temperature, top_k, top_p)
-        ids = self.target.encode(prompts)
-        tree_size = self.tree.tree_size(self.horizon)
-        capacity = capacity or bucket(max(map(len, ids)) + max_new_tokens + tree_size + self.horizon + 1)
-        prompt, lens, active = pad_batch(ids, capacity)
-        decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else ())
-        out, n, finish, rounds, accepted = spec_generate(
-            self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
-            jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active), jax.random.key(seed),
-            config=SpecConfig(decode, self.tree),
-            **({"scorer_graphdef": self._scorer_graphdef, "scorer_params": self._scorer_params} if self.scorer is not None else {}),
-        )
+        ids, args, kwargs = self.prepare(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, seed=seed, capacity=capacity, stop_at_eos=stop_at_eos)
+        out, n, finish, rounds, accepted = spec_generate(*args, **kwargs)
         rounds, accepted = np.asarray(rounds)[: len(ids)], np.asarray(accepted)[: len(ids)]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(len(ids))]
         total_rounds = int(rounds.sum())

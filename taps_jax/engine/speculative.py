@@ -53,36 +53,32 @@ class SpecState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
-def spec_generate(
-    target_graphdef, target_params, drafter_graphdef, drafter_params,
-    prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None,
-):
-    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R]).
-
-    scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
-    `taps_jax.tree.scorer.Scorer`), required by policy "taps", None otherwise.
-    """
+def _merge(target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config):
     target = nnx.merge(target_graphdef, target_params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
+    scorer = None
     if config.tree.policy == "taps":
         if scorer_graphdef is None or scorer_params is None:
             raise ValueError("Tree policy 'taps' needs a trained scorer: pass scorer_graphdef/scorer_params "
                              "(train one with `python -m train.scorer ...`) or use policy 'ddtree'.")
         scorer = nnx.merge(scorer_graphdef, scorer_params)
-        embed_VD = target.embed_tokens.embedding.get_value()
-    dc, tc = config.decode, config.tree
+    return target, drafter, scorer
+
+
+def _sizes(drafter, config: SpecConfig) -> tuple[int, int, int]:
+    """(H drafted positions, T tree size, A accepted-path bound)."""
+    H = drafter.config.block_size - 1
+    T = config.tree.tree_size(H)
+    return H, T, min(H + 1, T)
+
+
+def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig) -> SpecState:
+    """Prefill: the prompt fills the target cache and the drafter's context; sample the first token."""
+    dc = config.decode
     B = prompt_BT.shape[0]
     N = dc.max_new_tokens
-    Kb = drafter.config.block_size
-    H = Kb - 1
-    T = tc.tree_size(H)
-    A = min(H + 1, T)  # accepted path length bound
+    _, T, A = _sizes(drafter, config)
     taps = drafter.config.target_layer_ids
-    batch_B = jnp.arange(B)
-
-    # Prefill: the prompt fills the target cache and the drafter's context.
     logits_BV, prompt_taps_BTF, cache = prefill(target, prompt_BT, prompt_len_B, dc.capacity, taps)
     dcache = DrafterCache.zeros(drafter.config, B, dc.capacity)
     dcache = drafter.append_context(prompt_taps_BTF, prompt_len_B, dcache)
@@ -90,7 +86,7 @@ def spec_generate(
     bonus_B = sample(logits_BV, sub, dc.sampling)
     generated_B = jnp.ones((B,), jnp.int32)
     finish_B = stop_reason(bonus_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
-    state = SpecState(
+    return SpecState(
         cache=cache,
         dcache=dcache,
         ctx_taps_BAF=jnp.zeros((B, A, prompt_taps_BTF.shape[-1]), prompt_taps_BTF.dtype),
@@ -104,71 +100,118 @@ def spec_generate(
         key=key,
     )
 
-    def round_(s: SpecState) -> SpecState:
-        running_B = s.finish_B == RUNNING
-        length_B = s.cache.lengths_B
 
-        # 1. Draft: add last round's context, then one non-causal block pass.
-        dcache = drafter.append_context(s.ctx_taps_BAF, s.ctx_count_B, s.dcache)
-        mask_id = drafter.config.mask_token_id
-        block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, H), mask_id, jnp.int32)], axis=1)
-        block_pos_BK = length_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
-        draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+def draft_stage(target, drafter, s: SpecState):
+    """Add last round's context to the drafter cache, then one non-causal block pass.
 
-        # 2. Tree: the policy picks T - 1 nodes; the root is the bonus token.
-        log_qcond_fn = None
-        if tc.policy == "taps":
-            log_qcond_fn = taps_log_qcond_fn(scorer, hidden_BHD, embed_VD, s.bonus_B)
-        tree, _ = draft_tree(tc, draft_BHV, s.bonus_B, log_qcond_fn)
+    Returns (drafter cache, draft logits [B, H, V], drafter hidden [B, H, D]).
+    """
+    B = s.bonus_B.shape[0]
+    Kb = drafter.config.block_size
+    dcache = drafter.append_context(s.ctx_taps_BAF, s.ctx_count_B, s.dcache)
+    mask_BH = jnp.full((B, Kb - 1), drafter.config.mask_token_id, jnp.int32)
+    block_BK = jnp.concatenate([s.bonus_B[:, None], mask_BH], axis=1)
+    block_pos_BK = s.cache.lengths_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
+    draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+    return dcache, draft_BHV, hidden_BHD
 
-        # 3. Verify: one target forward over the tree (ancestor-only mask).
-        positions_BT = length_B[:, None] + tree.depths_BT
-        logits_BTV, taps_BTF, cache = target(tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, taps)
 
-        # 4. Accept: sample the target once at every node, walk the tree.
-        key, sub = jax.random.split(s.key)
-        target_BT = sample(logits_BTV, sub, dc.sampling)
-        acc = accept_walk(tree, target_BT, max_depth=A - 1)
-        a_B = acc.num_accepted_B
+def select_stage(tree_config: TreeConfig, target, scorer, draft_BHV, hidden_BHD, bonus_B):
+    """The policy picks T - 1 nodes (lattice, pool, q_cond, reach, select); the root is the bonus."""
+    log_qcond_fn = None
+    if tree_config.policy == "taps":
+        embed_VD = target.embed_tokens.embedding.get_value()
+        log_qcond_fn = taps_log_qcond_fn(scorer, hidden_BHD, embed_VD, bonus_B)
+    tree, _ = draft_tree(tree_config, draft_BHV, bonus_B, log_qcond_fn)
+    return tree
 
-        # 5. Emit: the accepted drafted tokens, then the new bonus; stop at EOS / length.
-        path_BA = acc.path_BA[:, :A]
-        drafted_BA = jnp.take_along_axis(tree.tokens_BT, path_BA, axis=1)
-        # emit[i] = token of path node i+1 for i < a-1, the bonus at i = a-1.
-        next_BA = jnp.concatenate([drafted_BA[:, 1:], drafted_BA[:, -1:]], axis=1)
-        emit_BA = jnp.where(jnp.arange(A)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
-        in_round_BA = jnp.arange(A)[None] < a_B[:, None]
-        is_eos_BA = jnp.isin(emit_BA, jnp.asarray(dc.eos_ids or (-1,), jnp.int32)) & in_round_BA
-        hit_eos_B = jnp.any(is_eos_BA, axis=1)
-        n_emit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BA, axis=1) + 1, a_B)
-        n_emit_B = jnp.minimum(n_emit_B, N - s.generated_B)
-        n_emit_B = jnp.where(running_B, n_emit_B, 0)
-        dest_BA = jnp.where(jnp.arange(A)[None] < n_emit_B[:, None], s.generated_B[:, None] + jnp.arange(A), N + A)
-        out_BN = s.out_BN.at[batch_B[:, None], dest_BA].set(emit_BA, mode="drop")
-        generated_B = s.generated_B + n_emit_B
 
-        # 6. Commit: accepted K/V into [len, len + a); their taps feed the next draft.
-        commit_B = jnp.where(running_B, a_B, 0)
-        cache = cache.gather_commit(path_BA, commit_B)
-        ctx_taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1)
+def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig) -> SpecState:
+    """Verify the tree in one target forward, accept, emit and commit."""
+    dc = config.decode
+    B = s.bonus_B.shape[0]
+    N = dc.max_new_tokens
+    _, T, A = _sizes(drafter, config)
+    batch_B = jnp.arange(B)
+    running_B = s.finish_B == RUNNING
 
-        last_B = out_BN[batch_B, jnp.maximum(generated_B - 1, 0)]
-        reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
-        finish_B = jnp.where(running_B, reason_B, s.finish_B)
-        accepted_BR = s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(a_B, mode="drop")
-        return SpecState(
-            cache=cache,
-            dcache=dcache,
-            ctx_taps_BAF=ctx_taps_BAF.astype(s.ctx_taps_BAF.dtype),
-            ctx_count_B=commit_B,
-            bonus_B=jnp.where(running_B, acc.bonus_token_B, s.bonus_B),
-            out_BN=out_BN,
-            generated_B=generated_B,
-            finish_B=finish_B,
-            rounds_B=s.rounds_B + running_B,
-            accepted_BR=accepted_BR,
-            key=key,
-        )
+    # Verify: one target forward over the tree (ancestor-only mask, positions len + depth).
+    positions_BT = s.cache.lengths_B[:, None] + tree.depths_BT
+    logits_BTV, taps_BTF, cache = target(
+        tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, drafter.config.target_layer_ids
+    )
 
-    state = jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), round_, state)
+    # Accept: sample the target once at every node, walk the tree.
+    key, sub = jax.random.split(s.key)
+    target_BT = sample(logits_BTV, sub, dc.sampling)
+    acc = accept_walk(tree, target_BT, max_depth=A - 1)
+    a_B = acc.num_accepted_B
+
+    # Emit: the accepted drafted tokens, then the new bonus; stop at EOS / length.
+    path_BA = acc.path_BA[:, :A]
+    drafted_BA = jnp.take_along_axis(tree.tokens_BT, path_BA, axis=1)
+    # emit[i] = token of path node i+1 for i < a-1, the bonus at i = a-1.
+    next_BA = jnp.concatenate([drafted_BA[:, 1:], drafted_BA[:, -1:]], axis=1)
+    emit_BA = jnp.where(jnp.arange(A)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
+    in_round_BA = jnp.arange(A)[None] < a_B[:, None]
+    is_eos_BA = jnp.isin(emit_BA, jnp.asarray(dc.eos_ids or (-1,), jnp.int32)) & in_round_BA
+    hit_eos_B = jnp.any(is_eos_BA, axis=1)
+    n_emit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BA, axis=1) + 1, a_B)
+    n_emit_B = jnp.minimum(n_emit_B, N - s.generated_B)
+    n_emit_B = jnp.where(running_B, n_emit_B, 0)
+    dest_BA = jnp.where(jnp.arange(A)[None] < n_emit_B[:, None], s.generated_B[:, None] + jnp.arange(A), N + A)
+    out_BN = s.out_BN.at[batch_B[:, None], dest_BA].set(emit_BA, mode="drop")
+    generated_B = s.generated_B + n_emit_B
+
+    # Commit: accepted K/V into [len, len + a); their taps feed the next draft.
+    commit_B = jnp.where(running_B, a_B, 0)
+    cache = cache.gather_commit(path_BA, commit_B)
+    ctx_taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1)
+
+    last_B = out_BN[batch_B, jnp.maximum(generated_B - 1, 0)]
+    reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
+    accepted_BR = s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(a_B, mode="drop")
+    return SpecState(
+        cache=cache,
+        dcache=dcache,
+        ctx_taps_BAF=ctx_taps_BAF.astype(s.ctx_taps_BAF.dtype),
+        ctx_count_B=commit_B,
+        bonus_B=jnp.where(running_B, acc.bonus_token_B, s.bonus_B),
+        out_BN=out_BN,
+        generated_B=generated_B,
+        finish_B=jnp.where(running_B, reason_B, s.finish_B),
+        rounds_B=s.rounds_B + running_B,
+        accepted_BR=accepted_BR,
+        key=key,
+    )
+
+
+def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> SpecState:
+    """One speculative round: draft -> select -> verify/accept/commit."""
+    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s)
+    tree = select_stage(config.tree, target, scorer, draft_BHV, hidden_BHD, s.bonus_B)
+    return verify_stage(target, drafter, s, dcache, tree, config)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
+def spec_generate(
+    target_graphdef, target_params, drafter_graphdef, drafter_params,
+    prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
+    scorer_graphdef=None, scorer_params=None,
+):
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R]).
+
+    scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
+    `taps_jax.tree.scorer.Scorer`), required by policy "taps", None otherwise.
+    """
+    target, drafter, scorer = _merge(
+        target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
+    )
+    state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
+    state = jax.lax.while_loop(
+        lambda s: jnp.any(s.finish_B == RUNNING),
+        lambda s: round_step(target, drafter, scorer, s, config),
+        state,
+    )
+    N = config.decode.max_new_tokens
     return state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR
