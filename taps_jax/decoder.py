@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from taps_jax import sharding
 from taps_jax.api import GenerateResult, Target, load_target
-from taps_jax.checkpoints.dflash import load_drafter_module, save_drafter
+from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
 from taps_jax.engine.ar import DecodeConfig
@@ -39,9 +40,20 @@ class DrafterModel:
         save_drafter(self.module, path)
 
 
-def load_drafter(path, dtype: str = "float32") -> DrafterModel:
-    """Load a DFlash drafter checkpoint directory (published layout)."""
-    module, _ = load_drafter_module(path, dtype)
+def load_drafter(path, dtype: str = "float32", mesh=None) -> DrafterModel:
+    """Load a DFlash drafter checkpoint directory (published layout).
+
+    mesh: load straight onto a device mesh (each host reads only its shards),
+    as `load_target`. None (default): one device.
+    """
+    if mesh is None:
+        module, _ = load_drafter_module(path, dtype)
+        return DrafterModel(module)
+    config = read_drafter_config(path, dtype)
+    sharding.check_config(config, mesh, "drafter")
+    abstract = nnx.eval_shape(lambda: Drafter(config, nnx.Rngs(0)))
+    module = sharding.load_module(abstract, Path(path), _no_prefix, str(path), mesh,
+                                  ignore=lambda name: name.endswith("rotary_emb.inv_freq"))
     return DrafterModel(module)
 
 
@@ -67,12 +79,24 @@ class SpeculativeDecoder:
     "ddtree" (top-`budget` prefixes by draft log-prob) or "taps" (top-`budget`
     prefixes by the reach of a learned scorer's q_cond; pass `scorer`, a
     `ScorerModel` from `load_scorer`), verified in one target forward per round.
+
+    mesh: run on a ("data", "model") device mesh (`taps_jax.sharding.make_mesh`):
+    target and drafter params are sharded by the logical-axis rules, the
+    scorer is replicated, and each batch is split over "data" (padded to a
+    multiple of it with inactive rows; results hold only your prompts).
+    Default: the target's mesh (`load_target(path, mesh=...)`), i.e. one
+    device for a target loaded without one. Tokens are the same as on one
+    device.
     """
 
     def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "ddtree", budget: int = 32,
-                 lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None):
+                 lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None,
+                 mesh=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if mesh is not None and mesh is not target.mesh:
+            target = target.on_mesh(mesh)
+        self.mesh = target.mesh
         self.scorer = None
         if drafter is None:
             if policy != "ar":
@@ -93,6 +117,7 @@ class SpeculativeDecoder:
             scorer.check_models(target.config, drafter.config)
             self.scorer = scorer
             self._scorer_graphdef, self._scorer_params = nnx.split(scorer.module)
+            self._scorer_params = sharding.replicate(self._scorer_params, self.mesh)
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -100,7 +125,10 @@ class SpeculativeDecoder:
         if policy != "ar":
             self.tree = tree_config(policy, budget, target.config.vocab_size, lattice_k, beam_width)
             self.tree.validate(drafter.config.block_size - 1, target.config.vocab_size)
+        if self.mesh is not None:
+            sharding.check_config(drafter.config, self.mesh, "drafter")
         self._drafter_graphdef, self._drafter_params = nnx.split(drafter.module)
+        self._drafter_params = sharding.shard_params(self._drafter_params, self.mesh)
 
     @property
     def horizon(self) -> int:
@@ -114,10 +142,12 @@ class SpeculativeDecoder:
         ids = self.target.encode(prompts)
         tree_size = self.tree.tree_size(self.horizon)
         capacity = capacity or bucket(max(map(len, ids)) + max_new_tokens + tree_size + self.horizon + 1)
-        prompt, lens, active = pad_batch(ids, capacity)
+        mesh = self.mesh
+        prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(mesh))
         decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else ())
         args = (self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
-                jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active), jax.random.key(seed))
+                sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh), sharding.put_batch(active, mesh),
+                jax.random.key(seed))
         kwargs = {"config": SpecConfig(decode, self.tree)}
         if self.scorer is not None:
             kwargs.update(scorer_graphdef=self._scorer_graphdef, scorer_params=self._scorer_params)
@@ -141,8 +171,9 @@ class SpeculativeDecoder:
                                         top_p=top_p, seed=seed, capacity=capacity, stop_at_eos=stop_at_eos)
         ids, args, kwargs = self.prepare(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, seed=seed, capacity=capacity, stop_at_eos=stop_at_eos)
-        out, n, finish, rounds, accepted = spec_generate(*args, **kwargs)
-        rounds, accepted = np.asarray(rounds)[: len(ids)], np.asarray(accepted)[: len(ids)]
+        with sharding.use_mesh(self.mesh):
+            out, n, finish, rounds, accepted = map(sharding.to_host, spec_generate(*args, **kwargs))
+        rounds, accepted = rounds[: len(ids)], accepted[: len(ids)]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(len(ids))]
         total_rounds = int(rounds.sum())
         stats = {
@@ -150,7 +181,7 @@ class SpeculativeDecoder:
             "accepted_lengths": per_round,
             "tau": float(sum(map(sum, per_round)) / max(total_rounds, 1)),
         }
-        return self.target._result(np.asarray(out), np.asarray(n), np.asarray(finish), len(ids), stats)
+        return self.target._result(out, n, finish, len(ids), stats)
 
 
 @dataclasses.dataclass
@@ -162,14 +193,17 @@ class ModelSet:
     scorer: ScorerModel | None = None
 
 
-def load_model_set(path, dtype: str = "float32") -> ModelSet:
-    """Load a model directory bundling target/, drafter/ (and scorer/ when present)."""
+def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
+    """Load a model directory bundling target/, drafter/ (and scorer/ when present).
+
+    mesh: load target and drafter sharded onto it (see `load_target`).
+    """
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist")
     if not (path / "target").is_dir():
         raise ValueError(f"{path}: no target/ subdirectory; a model set holds target/ and drafter/")
-    target = load_target(path / "target", dtype)
-    drafter = load_drafter(path / "drafter", dtype) if (path / "drafter").is_dir() else None
+    target = load_target(path / "target", dtype, mesh)
+    drafter = load_drafter(path / "drafter", dtype, mesh) if (path / "drafter").is_dir() else None
     scorer = load_scorer(path / "scorer") if (path / "scorer").is_dir() else None
     return ModelSet(target, drafter, scorer)

@@ -126,8 +126,11 @@ def select_stage(tree_config: TreeConfig, target, scorer, draft_BHV, hidden_BHD,
     return tree
 
 
-def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig) -> SpecState:
-    """Verify the tree in one target forward, accept, emit and commit."""
+def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig):
+    """Verify the tree in one target forward, accept, emit and commit.
+
+    Returns (next state, the round's Acceptance: accepted path and bonus).
+    """
     dc = config.decode
     B = s.bonus_B.shape[0]
     N = dc.max_new_tokens
@@ -171,7 +174,7 @@ def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig
     last_B = out_BN[batch_B, jnp.maximum(generated_B - 1, 0)]
     reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
     accepted_BR = s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(a_B, mode="drop")
-    return SpecState(
+    next_state = SpecState(
         cache=cache,
         dcache=dcache,
         ctx_taps_BAF=ctx_taps_BAF.astype(s.ctx_taps_BAF.dtype),
@@ -184,13 +187,14 @@ def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig
         accepted_BR=accepted_BR,
         key=key,
     )
+    return next_state, acc
 
 
 def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> SpecState:
     """One speculative round: draft -> select -> verify/accept/commit."""
     dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s)
     tree = select_stage(config.tree, target, scorer, draft_BHV, hidden_BHD, s.bonus_B)
-    return verify_stage(target, drafter, s, dcache, tree, config)
+    return verify_stage(target, drafter, s, dcache, tree, config)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
