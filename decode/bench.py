@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from decode.common import Parser, add_model_args, load_models, positive_int, run
+from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
 from decode.prompts import read_prompts
 from decode.stages import stage_times_ms
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
@@ -48,6 +48,7 @@ def _policies(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="taps-bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
+    add_mesh_args(p)
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL file, one {\"prompt\": ...} per line (default: the embedded held-out set)")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
     prompts = read_prompts(prompts_file)[: args.num_prompts]
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    models = load_models(args)
+    mesh = setup_mesh(args)
+    models = load_models(args, mesh)  # every decoder below runs on the target's mesh
     spec_policies = [p for p in args.policies if p != "ar"]
     if spec_policies and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
         "config": {
             "prompts": str(prompts_file), "num_prompts": len(prompts), "policies": args.policies,
             "budgets": args.budgets, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
+            "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype, "mesh": args.mesh,
             "block_size": models.drafter.config.block_size if models.drafter else None,
         },
         "ar": {"tokens_per_s": n_ar / ar_seconds, "tokens": n_ar, "seconds": ar_seconds,

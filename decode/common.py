@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
 from taps_jax import load_scorer, load_target
+from taps_jax.sharding import add_mesh_args, setup_mesh  # noqa: F401  (the CLIs' --mesh / --distributed flags)
+from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,8 +29,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="parameter/activation dtype (default float32)")
 
 
-def load_models(args) -> ModelSet:
-    """Each part from its own flag, else from --model (the embedded set when neither --model nor --target)."""
+def load_models(args, mesh=None) -> ModelSet:
+    """Each part from its own flag, else from --model (the embedded set when neither --model nor --target).
+
+    mesh: target and drafter are loaded sharded onto it (each host reads only its shards).
+    """
     base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
     if base is not None and not Path(base).is_dir():
         raise ValueError(f"model directory {str(base)!r} does not exist")
@@ -44,8 +48,8 @@ def load_models(args) -> ModelSet:
         raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
     drafter_dir, scorer_dir = part(args.drafter, "drafter"), part(args.scorer, "scorer")
     return ModelSet(
-        load_target(target_dir, args.dtype),
-        load_drafter(drafter_dir, args.dtype) if drafter_dir else None,
+        load_target(target_dir, args.dtype, mesh),
+        load_drafter(drafter_dir, args.dtype, mesh) if drafter_dir else None,
         load_scorer(scorer_dir) if scorer_dir else None,
     )
 

@@ -1,12 +1,13 @@
 """Decoding jobs over a prompt file: what a pod job runs (`taps-decode --prompts IN --out OUT`).
 
-Input: JSONL, one object per line with a string "prompt" and an optional
-"id" (a string or an integer; default: the prompt's 0-based position among
-the file's prompts). Ids must be unique.
+Input: JSONL, one object per line with a string "prompt" (or "ids", a list
+of token ids) and an optional "id" (a string or an integer; default: the
+prompt's 0-based position among the file's prompts). Ids must be unique.
 
 Output: JSONL, one line per prompt, appended as soon as its batch finishes:
     {"id": ..., "text": "<continuation>", "num_tokens": N, "finish_reason": "eos"|"length"|"capacity",
      "tau": <mean accepted tokens per round for this prompt; 1.0 for ar>}
+(plus "token_ids" when the target has no tokenizer).
 Lines are in completion order, not input order (join on "id").
 
 Batching: prompts are tokenized, sorted by length, grouped into power-of-two
@@ -43,7 +44,7 @@ from taps_jax.engine.batching import bucket
 @dataclasses.dataclass(frozen=True)
 class JobPrompt:
     id: str | int
-    prompt: str
+    prompt: str | list[int]
 
 
 def read_job_prompts(path) -> list[JobPrompt]:
@@ -61,9 +62,13 @@ def read_job_prompts(path) -> list[JobPrompt]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}); each line must be "
                                  "{\"prompt\": \"...\"} with an optional \"id\"") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: expected an object with a string \"prompt\" field")
-            if not record["prompt"]:
+            prompt = record.get("prompt", record.get("ids"))
+            is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            if not (isinstance(prompt, str) or is_ids):
+                raise ValueError(f"{path}:{lineno}: expected a string \"prompt\" field (or \"ids\": a list of token ids)")
+            if not prompt:
                 raise ValueError(f"{path}:{lineno}: empty prompt")
             pid = record.get("id", len(out))
             if isinstance(pid, bool) or not isinstance(pid, (str, int)):
@@ -72,7 +77,7 @@ def read_job_prompts(path) -> list[JobPrompt]:
             if key in seen:
                 raise ValueError(f"{path}:{lineno}: duplicate id {pid!r} (first on line {seen[key]}); ids must be unique")
             seen[key] = lineno
-            out.append(JobPrompt(pid, record["prompt"]))
+            out.append(JobPrompt(pid, prompt))
     if not out:
         raise ValueError(f"{path}: no prompts found")
     return out
@@ -111,7 +116,7 @@ def recover_output(path) -> set[str]:
         keep = start = end + 1
     if keep < len(data):
         tqdm.write(f"{path}: dropping {len(data) - keep} bytes of an incomplete last line "
-                   "(from an interrupted run); those prompts are decoded again")
+                   "(from an interrupted run); those prompts are decoded again", file=sys.stderr)
         with path.open("r+b") as f:
             f.truncate(keep)
             f.flush()
@@ -172,12 +177,13 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
     summary = {"prompts": len(prompts), "skipped": skipped, "written": 0, "tokens": 0, "seconds": 0.0}
     if not todo:
         if progress:
-            tqdm.write(f"{out_path}: all {len(prompts)} prompts are already done")
+            tqdm.write(f"{out_path}: all {len(prompts)} prompts are already done", file=sys.stderr)
         return summary
     ids = decoder.target.encode([p.prompt for p in todo])  # checks every prompt before any work
     batches = plan_batches(list(zip(todo, map(len, ids))), batch_size)
     if progress and skipped:
-        tqdm.write(f"{out_path}: {skipped} prompts already done (from an earlier run); {len(todo)} to go")
+        tqdm.write(f"{out_path}: {skipped} prompts already done (from an earlier run); {len(todo)} to go",
+                   file=sys.stderr)
 
     fd = None
     if main:
@@ -225,5 +231,5 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
     if progress and main:
         tqdm.write(f"wrote {summary['written']} prompts to {out_path} ({skipped} were already done): "
                    f"{summary['written'] / elapsed:.2f} prompts/s, {tokens / elapsed:,.1f} tokens/s, "
-                   f"tau {summary['tau']:.2f}")
+                   f"tau {summary['tau']:.2f}", file=sys.stderr)
     return summary

@@ -60,6 +60,7 @@ Multi-host
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -476,3 +477,45 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+# --------------------------------------------------------------------------- command-line flags
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    """--mesh and the multi-host flags (see `setup_mesh`)."""
+    g = parser.add_argument_group("devices")
+    g.add_argument("--mesh", default=None, metavar="DATA,MODEL",
+                   help="device mesh: DATA sequences in parallel x MODEL-way tensor parallelism, e.g. 4,2; "
+                        "'auto' = all devices on the data axis. Default: one device (no mesh). On CPU, devices come "
+                        "from XLA_FLAGS=--xla_force_host_platform_device_count=N, set before starting")
+    g.add_argument("--distributed", action="store_true",
+                   help="multi-host: call jax.distributed.initialize() first (coordinator, process count and id "
+                        "from the flags below, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, "
+                        "else JAX's cluster auto-detection, e.g. on TPU pod slices)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="coordinator address (process 0)")
+    g.add_argument("--num-processes", type=_positive_int, default=None, help="number of processes (hosts)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's id in [0, num-processes)")
+
+
+def setup_mesh(args):
+    """Initialise multi-host JAX if asked, then build the --mesh mesh (None: one device).
+
+    Must run before anything touches a device.
+    """
+    parse_mesh(args.mesh)  # check the flag before any (slow) initialisation
+    if args.distributed:
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    elif args.coordinator or args.num_processes or args.process_id is not None:
+        raise ValueError("--coordinator/--num-processes/--process-id only apply with --distributed")
+    return mesh_from_flag(args.mesh)

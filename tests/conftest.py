@@ -1,16 +1,25 @@
 """Shared tiny-model fixtures: checkpoints written by `transformers.save_pretrained`.
 
-Everything is float32 and seeded, so the tests are deterministic. The device
-count is left alone here (a later conftest may set `jax_num_cpu_devices`
-before JAX initialises).
+Everything is float32 and seeded, so the tests are deterministic.
+
+Devices: 8 CPU devices, set here at import, before anything initialises JAX
+(it cannot change afterwards), so the sharding tests can build (8,1), (4,2)
+and (2,4) meshes in-process. Every other test keeps running on device 0, the
+default device; nothing is placed on a mesh unless a test asks for one.
+Subprocess tests that need several devices set
+XLA_FLAGS=--xla_force_host_platform_device_count=N in the child's environment.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+
+N_CPU_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", N_CPU_DEVICES)
 
 # Tiny shapes shared by every family: GQA with 4 query heads over 2 kv heads.
 TINY = dict(

@@ -90,6 +90,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from taps_jax import sharding
 from taps_jax.api import Target, load_target
 from taps_jax.checkpoints.dflash import save_drafter
 from taps_jax.config import DrafterConfig, ModelConfig
@@ -634,18 +635,26 @@ class DistillRun:
 
 
 def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: DistillConfig,
-          optim: loop.OptimConfig) -> DistillRun:
-    """Everything `distill` needs, exposed for benchmarks and tests."""
+          optim: loop.OptimConfig, mesh=None) -> DistillRun:
+    """Everything `distill` needs, exposed for benchmarks and tests.
+
+    mesh: the drafter's params and optimizer state are sharded by the rules
+    and each batch is split over "data" (batch_size must divide it).
+    """
     dc = drafter.config
     dc.check_target(target.config)
+    sharding.check_config(dc, mesh, "drafter")
+    if config.batch_size % sharding.data_size(mesh):
+        raise ValueError(f"batch size {config.batch_size} is not divisible by the mesh's data axis "
+                         f"({sharding.data_size(mesh)})")
     graphdef, params = nnx.split(drafter)
     forward = make_forward(graphdef, target.graphdef, position_weights(dc.block_size, config.gamma))
     loss_fn = make_loss_fn(forward)
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
                             config.anchor_region, config.seed)
-    return DistillRun(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer),
-                      loop.TrainState.create(params, optimizer), batches, forward, loss_fn)
+    return DistillRun(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
+                      loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
 
 def distill(
@@ -660,19 +669,24 @@ def distill(
     resume: bool = False,
     stop_after: int | None = None,
     meta: dict | None = None,
+    mesh=None,
 ) -> loop.LoopResult:
     """Train `drafter` against the frozen `target` with `train.loop`; see the module docstring.
 
     stop_after: end the run after this many steps (checkpointed) while the LR
     schedule still spans config.steps (time-boxed runs, resume tests).
     Returns the loop's result; `result.best_params` are the best-validation params.
+    mesh: train on a ("data", "model") mesh (see `setup`); the frozen target
+    is sharded by the same rules.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     optim = optim or distill_optim(config.steps)
-    run = setup(target, drafter, train_seqs, config, optim)
+    run = setup(target, drafter, train_seqs, config, optim, mesh)
     H = drafter.config.block_size - 1
-    tparams = target.params
+    if mesh is not None:
+        sharding.check_config(target.config, mesh, "target")
+    tparams = sharding.shard_params(target.params, mesh)
     start = 0
     if resume:
         ck = loop.Checkpointer(out_dir)
@@ -696,7 +710,7 @@ def distill(
         checkpoint_every_s=config.checkpoint_every_s, keep=config.keep,
     )
     return loop.run(cfg, run.state, run.train_step, batch_at, out_dir, evaluate=evaluate, resume=resume,
-                    meta=meta or {}, optim=optim, desc="distill")
+                    meta=meta or {}, optim=optim, desc="distill", mesh=mesh)
 
 
 def export(out: Path, drafter_graphdef, params) -> Path:
@@ -787,6 +801,7 @@ def parse_args(argv):
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")
     p.add_argument("--bench", type=int, default=0, metavar="N",
                    help="time N train steps (and the target-tap forward alone) on random sequences, then exit")
+    sharding.add_mesh_args(p)
     return p.parse_args(argv)
 
 
@@ -811,7 +826,8 @@ def _settings(args) -> dict:
 def _main(args) -> int:
     s = _settings(args)
     d, data, tr, op = s["drafter"], s["data"], s["train"], s["optim"]
-    target = load_target(args.target)
+    mesh = sharding.setup_mesh(args)
+    target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
     dcfg = make_drafter_config(
         target.config, num_layers=d["num_layers"], block_size=d["block_size"],
         target_layer_ids=d["target_layer_ids"], num_taps=d["num_taps"], mask_token_id=d["mask_token_id"],
@@ -829,7 +845,7 @@ def _main(args) -> int:
           f"draft tokens/step; {optim}", flush=True)
 
     if args.bench:
-        return bench(target, drafter, config, optim, data["gen_tokens"], args.bench)
+        return bench(target, drafter, config, optim, data["gen_tokens"], args.bench, mesh=mesh)
 
     if args.export_only:
         graphdef, params = nnx.split(drafter)
@@ -868,7 +884,7 @@ def _main(args) -> int:
     }, indent=2, default=str))
 
     graphdef = nnx.split(drafter)[0]
-    result = distill(target, drafter, train_seqs, val_seqs, args.out, config, optim, resume=args.resume,
+    result = distill(target, drafter, train_seqs, val_seqs, args.out, config, optim, resume=args.resume, mesh=mesh,
                      meta={"preset": args.preset})
     final = result.best_params if result.best_params is not None else result.state.params
     out = export(args.out / "export", graphdef, final)
@@ -878,7 +894,7 @@ def _main(args) -> int:
 
 
 def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.OptimConfig,
-          gen_tokens: int, n: int, prompt_len: int = 64) -> int:
+          gen_tokens: int, n: int, prompt_len: int = 64, mesh=None) -> int:
     """Time n train steps on random sequences of prompt_len + gen_tokens tokens; also the tap forward alone."""
     rng = np.random.default_rng(0)
     B = config.batch_size
@@ -886,9 +902,10 @@ def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.O
     N = max(4 * B, 8)
     seqs = Sequences(rng.integers(3, target.config.vocab_size, (N, S)).astype(np.int32),
                      np.full(N, prompt_len, np.int32), np.full(N, S, np.int32))
-    run = setup(target, drafter, seqs, config, optim)
+    run = setup(target, drafter, seqs, config, optim, mesh)
     state = run.state
-    batch = lambda i: {**run.batches.batch_at(i), "target": target.params}
+    tparams = sharding.shard_params(target.params, mesh)
+    batch = lambda i: {**run.batches.batch_at(i), "target": tparams}
     t = time.perf_counter()
     state, m = run.train_step(state, batch(0))
     jax.block_until_ready(m)

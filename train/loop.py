@@ -10,9 +10,19 @@ knows pytrees:
     result = run(LoopConfig(...), state, step_fn, batch_at, eval_fn, ...)
 
 The batch is whatever `batch_at(step)` returns (arrays with a leading batch
-axis); the step is written on whole arrays (no per-example Python), so the
-batch axis can later be sharded over a mesh by placing the batch with a
-NamedSharding before the call.
+axis); the step is written on whole arrays (no per-example Python).
+
+Sharding (`mesh=`, a `taps_jax.sharding.make_mesh` ("data", "model") mesh):
+`shard_state` places params AND optimizer state by the logical-axis rules
+(attention heads / kv heads / MLP width / vocab over "model", the rest
+replicated; Adam moments follow their parameter's path, so they land like
+it), `run` splits every host (numpy) leaf of the batch over "data" on its
+leading axis (device arrays in the batch, e.g. frozen target params, are
+taken as already placed), and the jitted step pins the new state to the same
+shardings, so it stays one GSPMD program with the gradient all-reduce
+inserted by XLA. Orbax saves sharded arrays as they are and restores onto
+whatever mesh the template state lives on: resuming on another mesh shape
+is `Checkpointer.restore(shard_state(template, new_mesh))`.
 
 Resumability: `batch_at` must be a pure function of the step (see
 `train.packing.PackedBatches.batch_at`), the optimizer state and step live in
@@ -46,6 +56,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
+
+from taps_jax import sharding
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict]]
@@ -105,22 +117,44 @@ class TrainState:
         return cls(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation):
-    """jitted (state, batch) -> (state, metrics); the input state is donated."""
+def shard_state(state: PyTree, mesh) -> PyTree:
+    """Place a TrainState (or params) on `mesh` by the logical-axis rules; None: unchanged."""
+    return sharding.shard_params(state, mesh)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh=None):
+    """jitted (state, batch) -> (state, metrics); the input state is donated.
+
+    mesh: the new state is constrained to the rules' shardings (the same the
+    input got from `shard_state`), so steps never drift to other layouts.
+    """
 
     def train_step(state: TrainState, batch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        new = TrainState(state.step + 1, params, opt_state)
+        if mesh is not None:
+            new = jax.lax.with_sharding_constraint(new, sharding.param_shardings(new, mesh))
+        return new, metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    step = jax.jit(train_step, donate_argnums=0)
+    if mesh is None:
+        return step
+
+    def sharded_step(state: TrainState, batch):
+        with sharding.use_mesh(mesh):
+            return step(state, sharding.shard_batch(batch, mesh))
+
+    sharded_step.jitted = step
+    return sharded_step
 
 
-def make_eval_fn(loss_fn: LossFn, batches: Sequence[PyTree]) -> Callable[[PyTree], float]:
+def make_eval_fn(loss_fn: LossFn, batches: Sequence[PyTree], mesh=None) -> Callable[[PyTree], float]:
     """params -> mean loss over fixed batches (all batches have the same shape)."""
     step = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
+    batches = [sharding.shard_batch(b, mesh) for b in batches]
 
     def evaluate(params) -> float:
         losses = [step(params, b) for b in batches]  # dispatched asynchronously
@@ -302,9 +336,16 @@ def run(
     meta: dict | None = None,
     optim: OptimConfig | None = None,
     desc: str = "train",
+    mesh=None,
 ) -> LoopResult:
-    """Train from `state` (or the latest checkpoint if resume) to config.total_steps."""
+    """Train from `state` (or the latest checkpoint if resume) to config.total_steps.
+
+    mesh: the state is placed on it (`shard_state`) before any restore, so a
+    checkpoint written on any mesh shape resumes onto this one; pair it with
+    `make_train_step(..., mesh=mesh)`, which splits each batch over "data".
+    """
     out_dir = Path(out_dir)
+    state = shard_state(state, mesh)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out_dir, config.keep)
     best_val, best_step = math.inf, -1

@@ -31,6 +31,7 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
+from taps_jax import sharding
 from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
 from taps_jax.checkpoints.scorer import ScorerModel, save_scorer
 from taps_jax.checkpoints.tensors import safetensor_files
@@ -243,10 +244,13 @@ def split_by_prompt(prompt_id: np.ndarray, val_fraction: float, seed: int) -> tu
 
 
 def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainConfig(), *, resume: bool = False,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, mesh=None) -> dict:
     """Train on a trace dir; export the best scorer to out/scorer. Returns a summary dict.
 
     target: a target checkpoint dir, or a (ModelConfig, embedding [V, D]) pair.
+    mesh: split each batch of trace rows over "data" (batch_size must divide
+    it); the scorer (~1e5 params) is replicated, the embedding table is
+    vocab-sharded over "model" like the target's.
     """
     out = Path(out)
     if isinstance(target, (str, Path)):
@@ -262,7 +266,13 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         hidden_dim=config.hidden_dim, depth_dim=config.depth_dim, mlp_dim=config.mlp_dim,
     )
     train_rows, val_rows = split_by_prompt(arrays["prompt_id"], config.val_fraction, config.seed)
+    if config.batch_size % sharding.data_size(mesh):
+        raise ValueError(f"batch size {config.batch_size} is not divisible by the mesh's data axis "
+                         f"({sharding.data_size(mesh)})")
     embed_dev = jnp.asarray(embed, jnp.float32)
+    if mesh is not None:
+        embed_dev = jax.device_put(embed_dev, sharding.NamedSharding(
+            mesh, sharding.param_spec("embed_tokens.embedding", embed_dev.shape, mesh)))
     train_data = TraceBatches(arrays, train_rows, config.batch_size, config.seed, embed_dev)
     val_data = TraceBatches(arrays, val_rows, config.batch_size, config.seed, embed_dev)
 
@@ -270,9 +280,9 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
     loss_fn = make_loss_fn(graphdef, width)
     optim = config.optim()
     optimizer = loop.make_optimizer(optim)
-    state = loop.TrainState.create(params, optimizer)
+    state = loop.shard_state(loop.TrainState.create(params, optimizer), mesh)
     val_batches = val_data.fixed() if len(val_rows) else []
-    evaluate = loop.make_eval_fn(loss_fn, val_batches) if val_batches else None
+    evaluate = loop.make_eval_fn(loss_fn, val_batches, mesh) if val_batches else None
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     if progress:
         tqdm.write(f"scorer: {n_params:,} params; {len(train_rows)} train rows / {len(val_rows)} val rows "
@@ -283,8 +293,8 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         checkpoint_every_s=config.checkpoint_every_s, checkpoint_every=config.checkpoint_every,
     )
     run_meta = {"scorer_config": dataclasses.asdict(scorer_config), "traces": str(traces)}
-    result = loop.run(loop_config, state, loop.make_train_step(loss_fn, optimizer), train_data.batch_at, out,
-                      evaluate=evaluate, resume=resume, meta=run_meta, optim=optim, desc="scorer")
+    result = loop.run(loop_config, state, loop.make_train_step(loss_fn, optimizer, mesh), train_data.batch_at, out,
+                      evaluate=evaluate, resume=resume, meta=run_meta, optim=optim, desc="scorer", mesh=mesh)
 
     best = result.best_params if result.best_params is not None else result.state.params
     train_losses = [float(r["loss"]) for r in result.history if r["split"] == "train"]
@@ -329,15 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlp-dim", type=int, default=d.mlp_dim)
     p.add_argument("--token-dim", type=int, default=d.token_dim)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    sharding.add_mesh_args(p)
     args = p.parse_args(argv)
     try:
+        mesh = sharding.setup_mesh(args)
         config = ScorerTrainConfig(
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
             warmup_steps=args.warmup_steps, val_fraction=args.val_fraction, eval_every=args.eval_every,
             checkpoint_every_s=args.checkpoint_every_s, seed=args.seed, mlp_dim=args.mlp_dim,
             token_dim=args.token_dim,
         )
-        s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume)
+        s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume, mesh=mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

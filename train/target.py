@@ -2,6 +2,11 @@
 
     python -m train.target --out runs/default/target_train --preset default [--steps N]
         [--batch-size B] [--seq-len T] [--lr LR] [--resume] [--export-only] [--bench N]
+        [--mesh DATA,MODEL] [--distributed ...]
+
+--mesh: train data-parallel over "data" (the batch must divide it) and
+tensor-parallel over "model" (heads, MLP, vocab); default one device,
+'auto' = all devices on the data axis. Checkpoints resume on any mesh shape.
 
 A preset is `configs/target_<name>.json` (or a path to such a file) holding
 `model` (ModelConfig fields; vocab_size comes from the tokenizer), `optim`
@@ -36,6 +41,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from taps_jax import sharding
 from taps_jax.api import Target
 from taps_jax.checkpoints.tokenizer import Tokenizer
 from taps_jax.config import ModelConfig
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-only", action="store_true",
                    help="skip training: export the best (else latest) checkpoint under --out to --out/export")
     p.add_argument("--bench", type=int, default=0, metavar="N", help="time N steps after compiling, then exit")
+    sharding.add_mesh_args(p)
     args = p.parse_args(argv)
     try:
         return _main(args)
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args) -> int:
+    mesh = sharding.setup_mesh(args)
     tokenizer_file = args.tokenizer / tokenizer_lib.TOKENIZER_FILE if args.tokenizer.is_dir() else args.tokenizer
     vocab = tokenizer_lib.load_tokenizer(tokenizer_file).get_vocab_size()
     preset = load_preset(args.preset)
@@ -145,6 +153,9 @@ def _main(args) -> int:
                  "checkpoint_every_s": args.checkpoint_every_s, "seed": args.seed}
     model_cfg, optim_cfg, tr = build(preset, vocab, overrides)
     B, T = tr["batch_size"], tr["seq_len"]
+    sharding.check_config(model_cfg, mesh, "target")
+    if B % sharding.data_size(mesh):
+        raise ValueError(f"--batch-size {B} is not divisible by the mesh's data axis ({sharding.data_size(mesh)})")
 
     model = Transformer(model_cfg, nnx.Rngs(tr["seed"]))
     graphdef, params = nnx.split(model)
@@ -155,8 +166,9 @@ def _main(args) -> int:
 
     loss_fn = lm_loss_fn(graphdef)
     optimizer = loop.make_optimizer(optim_cfg)
-    train_step = loop.make_train_step(loss_fn, optimizer)
-    state = loop.TrainState.create(params, optimizer)
+    train_step = loop.make_train_step(loss_fn, optimizer, mesh)
+    state = loop.shard_state(loop.TrainState.create(params, optimizer), mesh)
+    params = state.params
     train_tokens = load_tokens("train", tokenizer_file, args.tokens)
     batches = PackedBatches(train_tokens, B, T, seed=tr["seed"])
 
@@ -193,7 +205,7 @@ def _main(args) -> int:
 
     val_tokens = load_tokens("validation", tokenizer_file, args.tokens)
     val = eval_batches(val_tokens, B, T, max_batches=tr["eval_batches"])
-    evaluate = loop.make_eval_fn(loss_fn, [jnp.asarray(b) for b in val])
+    evaluate = loop.make_eval_fn(loss_fn, [np.asarray(b) for b in val] if mesh else [jnp.asarray(b) for b in val], mesh)
     args.out.mkdir(parents=True, exist_ok=True)
     run_info = {"model": dataclasses.asdict(model_cfg), "optim": dataclasses.asdict(optim_cfg), "train": tr,
                 "params": n_params, "train_tokens": int(len(train_tokens)),
@@ -208,7 +220,7 @@ def _main(args) -> int:
     )
     try:
         result = loop.run(cfg, state, train_step, batches.batch_at, args.out, evaluate=evaluate, resume=args.resume,
-                          meta={"preset": args.preset}, optim=optim_cfg, desc="target")
+                          meta={"preset": args.preset}, optim=optim_cfg, desc="target", mesh=mesh)
     except KeyboardInterrupt:
         return 130
     final = result.best_params if result.best_params is not None else result.state.params

@@ -1,0 +1,143 @@
+"""One command reproduces the embedded default model set.
+
+    python -m train.recipe --work runs/default --assets taps_jax/assets/default
+
+Stages, in order; each is skipped when its output exists and resumes from its
+own checkpoints when interrupted (rerun the same command):
+
+  tokenizer  byte-level BPE on the stdlib train split      -> WORK/tokenizer/
+  data       token caches + held-out / train prompt sets   -> WORK/tokens/, WORK/prompts_*.jsonl
+  target     Qwen3 pretraining (configs/target_<preset>)   -> WORK/target_train/export/
+  drafter    DFlash distillation (configs/drafter_<preset>) -> WORK/drafter_train/export/
+  traces     TAPS traces on train-split prompts            -> WORK/traces/
+  scorer     TAPS scorer training                          -> WORK/scorer_train/scorer/
+  assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer}/
+  report     taps-bench on the assembled set               -> ASSETS/report.json, ASSETS/report.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assemble", "report")
+
+
+def _done(path: Path, name: str) -> bool:
+    if path.exists():
+        print(f"[recipe] {name}: done ({path}), skipped", flush=True)
+        return True
+    print(f"[recipe] {name}: running", flush=True)
+    return False
+
+
+def _check(code: int, name: str) -> None:
+    if code:
+        raise SystemExit(f"[recipe] stage {name} failed with exit status {code}; fix it and rerun to resume")
+
+
+def run_stage(name: str, args) -> None:
+    work, preset = args.work, args.preset
+    tok_dir, tokens = work / "tokenizer", work / "tokens"
+    target_dir = work / "target_train" / "export"
+    drafter_dir = work / "drafter_train" / "export"
+    scorer_dir = work / "scorer_train" / "scorer"
+    if name == "tokenizer":
+        if not _done(tok_dir / "tokenizer.json", name):
+            from train.tokenizer import train_tokenizer
+            train_tokenizer(tok_dir, vocab_size=args.vocab_size, max_bytes=args.tokenizer_bytes)
+    elif name == "data":
+        if not _done(work / "prompts_train.jsonl", name):
+            from train import corpus, packing
+            packing.main(["--tokenizer", str(tok_dir), "--cache-dir", str(tokens)])
+            corpus.write_prompts_jsonl(work / "prompts_heldout.jsonl", corpus.build_prompts("heldout", n=args.heldout_prompts))
+            corpus.write_prompts_jsonl(work / "prompts_train.jsonl", corpus.build_prompts("train", n=args.trace_prompts))
+    elif name == "target":
+        if not _done(target_dir / "config.json", name):
+            from train import target
+            out = work / "target_train"
+            base = ["--out", str(out), "--preset", preset, "--tokenizer", str(tok_dir), "--tokens", str(tokens)]
+            _check(target.main(base + ["--resume"]), name)
+            if not (target_dir / "config.json").exists():
+                _check(target.main(base + ["--export-only"]), name)
+    elif name == "drafter":
+        if not _done(drafter_dir / "config.json", name):
+            from train import distill
+            _check(distill.main(["--target", str(target_dir), "--out", str(work / "drafter_train"),
+                                 "--preset", preset, "--resume"]), name)
+    elif name == "traces":
+        if not _done(work / "traces" / "DONE", name):
+            from train import traces
+            _check(traces.main(["--target", str(target_dir), "--drafter", str(drafter_dir),
+                                "--prompts", str(work / "prompts_train.jsonl"), "--out", str(work / "traces"),
+                                "--max-new-tokens", str(args.trace_tokens)]), name)
+            (work / "traces" / "DONE").write_text("complete\n")
+    elif name == "scorer":
+        if not _done(scorer_dir / "config.json", name):
+            from train import scorer
+            steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
+            _check(scorer.main(["--traces", str(work / "traces"), "--target", str(target_dir),
+                                "--out", str(work / "scorer_train"), "--resume", *steps]), name)
+    elif name == "assemble":
+        assemble(args.assets, target_dir, drafter_dir, scorer_dir, work / "prompts_heldout.jsonl")
+    elif name == "report":
+        from decode import bench
+        _check(bench.main(["--model", str(args.assets), "--policies", "ar,chain,ddtree,taps",
+                           "--budgets", "16,32,64", "--num-prompts", str(args.report_prompts),
+                           "--max-new-tokens", "128", "--json", str(args.assets / "report.json"),
+                           "--plot", str(args.assets / "report.png")]), name)
+
+
+def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dir: Path, prompts: Path) -> None:
+    """Copy the set into the package in compact form: bfloat16 weights, float32 at load time."""
+    from taps_jax import load_scorer, load_target
+    from taps_jax.decoder import load_drafter
+
+    tmp = assets.with_name(assets.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    load_target(target_dir, dtype="bfloat16").save(tmp / "target")
+    for extra in ("generation_config.json",):
+        if (target_dir / extra).exists():
+            shutil.copy(target_dir / extra, tmp / "target" / extra)
+    load_drafter(drafter_dir, dtype="bfloat16").save(tmp / "drafter")
+    if (scorer_dir / "config.json").exists():
+        load_scorer(scorer_dir).save(tmp / "scorer")
+    shutil.copy(prompts, tmp / "prompts_heldout.jsonl")
+    shutil.rmtree(assets, ignore_errors=True)
+    tmp.rename(assets)  # never leave a half-written set in the package
+    size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())
+    print(f"[recipe] assembled {assets} ({size / 2**20:.1f} MiB)", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.recipe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=Path("runs/default"), help="working dir for all stages")
+    p.add_argument("--assets", type=Path, default=Path("taps_jax/assets/default"), help="where the set is assembled")
+    p.add_argument("--preset", default="default", help="configs/{target,drafter}_<preset>.json")
+    p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--tokenizer-bytes", type=int, default=None, help="train the tokenizer on this many bytes only")
+    p.add_argument("--heldout-prompts", type=int, default=200)
+    p.add_argument("--trace-prompts", type=int, default=256)
+    p.add_argument("--trace-tokens", type=int, default=128)
+    p.add_argument("--scorer-steps", type=int, default=None, help="scorer training steps (default: train.scorer's)")
+    p.add_argument("--report-prompts", type=int, default=32)
+    args = p.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        print(f"{p.prog}: error: unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    args.work.mkdir(parents=True, exist_ok=True)
+    for name in STAGES:
+        if name in stages:
+            run_stage(name, args)
+    (args.work / "recipe.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
