@@ -38,7 +38,6 @@ import json
 import sys
 from pathlib import Path
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,13 +45,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from taps_jax.api import Target, load_target
+from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import bucket, encode_prompts, pad_batch
-from taps_jax.engine.prefill import RUNNING, prefill, stop_reason
-from taps_jax.models.cache import KVCache
-from taps_jax.models.drafter import DrafterCache, draft_logits
-from taps_jax.tree.accept import accept_walk
+from taps_jax.engine.prefill import RUNNING
+from taps_jax.engine.sampling import SamplingConfig
+from taps_jax.engine.speculative import SpecConfig, SpecState, draft_stage, init_state, select_stage, verify_stage
 from taps_jax.tree.lattice import build_lattice
-from taps_jax.tree.policies import TreeConfig, draft_tree
+from taps_jax.tree.policies import TreeConfig
 from taps_jax.tree.pool import Pool, build_pool
 from taps_jax.tree.select import Tree, ancestor_mask, reach
 
@@ -106,20 +105,13 @@ class TraceConfig:
     def decode_tree(self, vocab_size: int) -> TreeConfig:
         return TreeConfig(self.policy, self.budget, min(self.budget, vocab_size), self.budget)
 
+    def spec_config(self, vocab_size: int, capacity: int, eos_ids: tuple[int, ...]) -> SpecConfig:
+        """The engine's greedy round that advances the sequences between trace records."""
+        return SpecConfig(DecodeConfig(self.max_new_tokens, capacity, SamplingConfig(), eos_ids),
+                          self.decode_tree(vocab_size))
+
 
 # --------------------------------------------------------------------------- the jitted round
-
-
-@flax.struct.dataclass
-class TraceState:
-    cache: KVCache  # target K/V, lengths = committed tokens
-    dcache: DrafterCache
-    ctx_taps_BAF: jax.Array  # [B, A, n_taps*D] tap features of last round's committed tokens
-    ctx_count_B: jax.Array  # [B]
-    bonus_B: jax.Array  # [B] pending token
-    generated_B: jax.Array  # [B] tokens emitted so far (bonus included)
-    finish_B: jax.Array  # [B] RUNNING / EOS / LENGTH / CAPACITY; -1 for padded slots
-    round_B: jax.Array  # [B] rounds run so far
 
 
 def pool_tree(pool: Pool, root_token_B) -> Tree:
@@ -158,90 +150,40 @@ def pool_labels(pool: Pool, logits_BSV) -> dict:
     }
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "capacity"))
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "spec"))
 def trace_prefill(target_graphdef, target_params, drafter_graphdef, drafter_params,
-                  prompt_BT, prompt_len_B, active_B, *, capacity: int) -> TraceState:
+                  prompt_BT, prompt_len_B, active_B, *, spec: SpecConfig) -> SpecState:
     target = nnx.merge(target_graphdef, target_params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
-    B = prompt_BT.shape[0]
-    H = drafter.config.block_size - 1
-    logits_BV, prompt_taps_BTF, cache = prefill(target, prompt_BT, prompt_len_B, capacity,
-                                                drafter.config.target_layer_ids)
-    dcache = drafter.append_context(prompt_taps_BTF, prompt_len_B, DrafterCache.zeros(drafter.config, B, capacity))
-    return TraceState(
-        cache=cache, dcache=dcache,
-        ctx_taps_BAF=jnp.zeros((B, H + 1, prompt_taps_BTF.shape[-1]), prompt_taps_BTF.dtype),
-        ctx_count_B=jnp.zeros((B,), jnp.int32),
-        bonus_B=jnp.argmax(logits_BV, axis=-1).astype(jnp.int32),
-        generated_B=jnp.ones((B,), jnp.int32),
-        finish_B=jnp.where(active_B, RUNNING, -1).astype(jnp.int32),
-        round_B=jnp.zeros((B,), jnp.int32),
-    )
+    return init_state(target, drafter, prompt_BT, prompt_len_B, active_B, jax.random.key(0), spec)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "eos_ids"))
-def trace_round(target_graphdef, target_params, drafter_graphdef, drafter_params, state: TraceState, *,
-                config: TraceConfig, eos_ids: tuple[int, ...] = ()):
-    """One greedy speculative round plus the large-pool labels. Returns (state, record)."""
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "spec"))
+def trace_round(target_graphdef, target_params, drafter_graphdef, drafter_params, state: SpecState, *,
+                config: TraceConfig, spec: SpecConfig):
+    """One greedy speculative round (the engine's stages) plus the large-pool labels. Returns (state, record)."""
     target = nnx.merge(target_graphdef, target_params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
     s = state
-    B = s.bonus_B.shape[0]
-    Kb = drafter.config.block_size
-    H = Kb - 1
-    A = H + 1
-    taps = drafter.config.target_layer_ids
     running_B = s.finish_B == RUNNING
-    length_B = s.cache.lengths_B
-
-    # Draft (exactly as the engine's round).
-    dcache = drafter.append_context(s.ctx_taps_BAF, s.ctx_count_B, s.dcache)
-    block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, H), drafter.config.mask_token_id, jnp.int32)], 1)
-    block_pos_BK = length_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
-    draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s)
 
     # Large pool, verified by the target in one forward; its cache writes are discarded.
     lattice = build_lattice(draft_BHV, config.pool_k)
     pool = build_pool(lattice, config.pool_width)
     ptree = pool_tree(pool, s.bonus_B)
+    length_B = s.cache.lengths_B
     plogits_BSV, _, _ = target(ptree.tokens_BT, length_B[:, None] + ptree.depths_BT, ancestor_mask(ptree), s.cache)
     labels = pool_labels(pool, plogits_BSV)
 
     # The normal round advances decoding greedily.
-    tree, _ = draft_tree(config.decode_tree(target.config.vocab_size), draft_BHV, s.bonus_B)
-    logits_BTV, taps_BTF, cache = target(tree.tokens_BT, length_B[:, None] + tree.depths_BT,
-                                         ancestor_mask(tree), s.cache, taps)
-    acc = accept_walk(tree, jnp.argmax(logits_BTV, axis=-1), max_depth=A - 1)
+    tree = select_stage(spec.tree, target, None, draft_BHV, hidden_BHD, s.bonus_B)
+    new, acc = verify_stage(target, drafter, s, dcache, tree, spec)
     a_B = acc.num_accepted_B
-    path_BA = acc.path_BA[:, :A]
-    drafted_BA = jnp.take_along_axis(tree.tokens_BT, path_BA, axis=1)
-    next_BA = jnp.concatenate([drafted_BA[:, 1:], drafted_BA[:, -1:]], axis=1)
-    emit_BA = jnp.where(jnp.arange(A)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
-    in_round_BA = jnp.arange(A)[None] < a_B[:, None]
-    is_eos_BA = jnp.isin(emit_BA, jnp.asarray(eos_ids or (-1,), jnp.int32)) & in_round_BA
-    hit_eos_B = jnp.any(is_eos_BA, axis=1)
-    n_emit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BA, axis=1) + 1, a_B)
-    n_emit_B = jnp.where(running_B, n_emit_B, 0)
-    generated_B = s.generated_B + n_emit_B
-    commit_B = jnp.where(running_B, a_B, 0)
-    cache = cache.gather_commit(path_BA, commit_B)
-    T = tree.tokens_BT.shape[1]
-    last_B = jnp.take_along_axis(emit_BA, jnp.maximum(n_emit_B - 1, 0)[:, None], axis=1)[:, 0]
-    # The next round needs T cache slots (the large pool's writes are dropped past capacity).
-    reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, eos_ids, config.max_new_tokens, cache.capacity)
-    new = TraceState(
-        cache=cache, dcache=dcache,
-        ctx_taps_BAF=jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1).astype(s.ctx_taps_BAF.dtype),
-        ctx_count_B=commit_B,
-        bonus_B=jnp.where(running_B, acc.bonus_token_B, s.bonus_B),
-        generated_B=generated_B,
-        finish_B=jnp.where(running_B, reason_B, s.finish_B),
-        round_B=s.round_B + running_B,
-    )
     record = {
         "running": running_B,
         "accepted": a_B,
-        "round": s.round_B,
+        "round": s.rounds_B,
         "length": length_B,
         "root_token": s.bonus_B,
         "token": pool.token_BN,
@@ -481,10 +423,11 @@ def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceCo
         chunk = ids[start:start + batch_size]
         capacity = bucket(max(map(len, chunk)) + config.max_new_tokens + T + H + 1)
         prompt, lens, active = pad_batch(chunk, capacity, min_batch=batch_size)
+        spec = config.spec_config(vocab, capacity, eos)
         state = trace_prefill(tg, tp, dg, dp, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(active),
-                              capacity=capacity)
+                              spec=spec)
         for _ in range(config.max_new_tokens):
-            state, rec = trace_round(tg, tp, dg, dp, state, config=config, eos_ids=eos)
+            state, rec = trace_round(tg, tp, dg, dp, state, config=config, spec=spec)
             rec = jax.device_get(rec)
             for b in np.flatnonzero(rec["running"]):
                 row = {k: rec[k][b] for k in FIELDS if k != "prompt_id"}
