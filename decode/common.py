@@ -35,6 +35,9 @@ def load_models(args, mesh=None) -> ModelSet:
     mesh: target and drafter are loaded sharded onto it (each host reads only its shards).
     """
     base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
+    if base == DEFAULT_MODEL_DIR and not base.is_dir():
+        raise ValueError(f"the embedded default model set is not installed ({base} is missing); "
+                         "pass --model DIR or --target DIR --drafter DIR, or build it with python -m train.recipe")
     if base is not None and not Path(base).is_dir():
         raise ValueError(f"model directory {str(base)!r} does not exist")
 
