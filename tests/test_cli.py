@@ -117,3 +117,10 @@ def test_bench_bad_input(model_dir, tmp_path):
         assert res.returncode == 2, (args, res.stderr)
         assert message in res.stderr, (args, res.stderr)
         assert res.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("module", ["train.recipe", "train.target", "train.distill", "train.traces",
+                                    "train.scorer", "train.tokenizer", "train.packing", "train.corpus"])
+def test_help_of_training_commands(module):
+    res = _run(module, "--help")
+    assert res.returncode == 0 and "usage:" in res.stdout, res.stderr
