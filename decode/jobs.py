@@ -67,7 +67,8 @@ def read_job_prompts(path) -> list[JobPrompt]:
             prompt = record.get("prompt", record.get("ids"))
             is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
             if not (isinstance(prompt, str) or is_ids):
-                raise ValueError(f"{path}:{lineno}: expected a string \"prompt\" field (or \"ids\": a list of token ids)")
+                raise ValueError(f"{path}:{lineno}: expected a string \"prompt\" field "
+                                 "(or \"ids\": a list of token ids)")
             if not prompt:
                 raise ValueError(f"{path}:{lineno}: empty prompt")
             pid = record.get("id", len(out))
@@ -75,7 +76,8 @@ def read_job_prompts(path) -> list[JobPrompt]:
                 raise ValueError(f"{path}:{lineno}: \"id\" must be a string or an integer, got {pid!r}")
             key = _key(pid)
             if key in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {pid!r} (first on line {seen[key]}); ids must be unique")
+                raise ValueError(f"{path}:{lineno}: duplicate id {pid!r} (first on line {seen[key]}); "
+                                 "ids must be unique")
             seen[key] = lineno
             out.append(JobPrompt(pid, prompt))
     if not out:
@@ -175,6 +177,7 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
     todo = [p for p, left in zip(prompts, todo_mask) if left]
     skipped = len(prompts) - len(todo)
     summary = {"prompts": len(prompts), "skipped": skipped, "written": 0, "tokens": 0, "seconds": 0.0}
+    progress = progress and main  # one progress report per job, from process 0
     if not todo:
         if progress:
             tqdm.write(f"{out_path}: all {len(prompts)} prompts are already done", file=sys.stderr)
@@ -184,12 +187,17 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
     if progress and skipped:
         tqdm.write(f"{out_path}: {skipped} prompts already done (from an earlier run); {len(todo)} to go",
                    file=sys.stderr)
+    if progress:
+        from taps_jax.sharding import describe
+
+        tqdm.write(f"decoding {len(todo)} prompts in {len(batches)} batches (up to {batch_size} prompts, one length "
+                   f"bucket each) on {describe(getattr(decoder, 'mesh', None))}", file=sys.stderr)
 
     fd = None
     if main:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    bar = tqdm(total=len(todo), unit="prompt", desc="decode", disable=not (progress and main), dynamic_ncols=True,
+    bar = tqdm(total=len(todo), unit="prompt", desc="decode", disable=not progress, dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 30.0, file=sys.stderr)
     start = time.perf_counter()
     tokens = rounds = accepted = 0
@@ -228,7 +236,7 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
             os.close(fd)
     elapsed = time.perf_counter() - start
     summary.update(tokens=tokens, seconds=elapsed, tau=accepted / max(rounds, 1))
-    if progress and main:
+    if progress:
         tqdm.write(f"wrote {summary['written']} prompts to {out_path} ({skipped} were already done): "
                    f"{summary['written'] / elapsed:.2f} prompts/s, {tokens / elapsed:,.1f} tokens/s, "
                    f"tau {summary['tau']:.2f}", file=sys.stderr)

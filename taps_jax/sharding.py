@@ -119,7 +119,8 @@ def parse_mesh(text: str | None) -> tuple[int, int] | str | None:
     try:
         data, model = (int(p) for p in parts)
     except ValueError:
-        raise ValueError(f"--mesh expects DATA,MODEL (two positive integers, e.g. 4,2) or 'auto', got {text!r}") from None
+        raise ValueError(
+            f"--mesh expects DATA,MODEL (two positive integers, e.g. 4,2) or 'auto', got {text!r}") from None
     if data < 1 or model < 1:
         raise ValueError(f"--mesh sizes must be positive, got {text!r}")
     return data, model
@@ -128,8 +129,11 @@ def parse_mesh(text: str | None) -> tuple[int, int] | str | None:
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     """A ("data", "model") mesh with Auto axis types over the first data*model devices.
 
-    data=None: all the devices left after the model axis.
+    data=None: all the devices left after the model axis. A mesh over all
+    devices lets `jax.make_mesh` order them for the interconnect (TPU
+    topology); on several hosts the mesh must cover every device.
     """
+    given = devices is not None
     devices = list(jax.devices() if devices is None else devices)
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise ValueError(f"the model axis must be a positive integer, got {model!r}")
@@ -145,8 +149,12 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
                 if platform == "cpu" else "")
         raise ValueError(f"a {data}x{model} mesh needs {data * model} devices but only {len(devices)} "
                          f"{platform} device(s) are visible.{hint}")
+    if data * model < len(devices) and jax.process_count() > 1:
+        raise ValueError(f"a {data}x{model} mesh leaves {len(devices) - data * model} of the {len(devices)} devices "
+                         f"of this {jax.process_count()}-host job idle; on several hosts the mesh must use them all")
+    subset = given or data * model < len(devices)
     return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
-                         devices=devices[: data * model])
+                         devices=devices[: data * model] if subset else None)
 
 
 def mesh_from_flag(text: str | None) -> Mesh | None:
@@ -170,7 +178,8 @@ def model_size(mesh: Mesh | None) -> int:
 def describe(mesh: Mesh | None) -> str:
     if mesh is None:
         return "one device"
-    return f"mesh data={data_size(mesh)} x model={model_size(mesh)} ({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"
+    platform = mesh.devices.flat[0].platform
+    return f"mesh data={data_size(mesh)} x model={model_size(mesh)} ({mesh.devices.size} {platform} devices)"
 
 
 def use_mesh(mesh: Mesh | None):
@@ -395,7 +404,7 @@ def load_module(abstract, path, prefix_of: Callable[[tuple], str], source: str, 
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
+        stack.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))  # this process's CPU
         where: dict[str, Any] = {}
         for file in safetensor_files(path):
             try:

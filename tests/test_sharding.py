@@ -159,9 +159,23 @@ def test_distributed_settings_from_flags_then_env():
         sharding.distributed_settings("h:1", 2, 2, env={})
 
 
-def test_hooks_are_no_ops_without_a_mesh():
+def test_engine_hooks_pin_caches_under_a_mesh_and_are_no_ops_without():
+    from taps_jax.models.cache import KVCache
+
     x = jnp.ones((4, 3))
     assert sharding.constrain_batch(x) is x and sharding.constrain(x, ("batch", None)) is x
+
+    @jax.jit
+    def make(n):
+        cache = KVCache.zeros(TARGET_CFG, 4, 16)
+        return sharding.constrain_kv_cache(cache.replace(lengths_B=cache.lengths_B + n))
+
+    mesh = mesh_of((2, 4))
+    with sharding.use_mesh(mesh):
+        cache = make(1)
+    assert cache.k_LBSKH.sharding == NamedSharding(mesh, P(None, "data", None, "model"))
+    assert cache.lengths_B.sharding == NamedSharding(mesh, P("data"))
+    assert len(make(1).k_LBSKH.sharding.device_set) == 1  # no mesh: one device (a separate compile)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -286,7 +300,8 @@ def test_drafter_distill_step_on_mesh_matches_one_device():
     mesh = mesh_of((2, 4))
     run = distill.setup(target, Drafter(DRAFTER_CFG, nnx.Rngs(1)), seqs, config, optim, mesh)
     batch = run.batches.batch_at(0)
-    want = float(jax.jit(run.loss_fn)(nnx.split(Drafter(DRAFTER_CFG, nnx.Rngs(1)))[1], {**batch, "target": target.params})[0])
+    params = nnx.split(Drafter(DRAFTER_CFG, nnx.Rngs(1)))[1]
+    want = float(jax.jit(run.loss_fn)(params, {**batch, "target": target.params})[0])
     state, m = run.train_step(run.state, {**batch, "target": sharding.shard_params(target.params, mesh)})
     np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)  # vs the loss on one device
     fc = state.params["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()

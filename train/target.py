@@ -205,7 +205,8 @@ def _main(args) -> int:
 
     val_tokens = load_tokens("validation", tokenizer_file, args.tokens)
     val = eval_batches(val_tokens, B, T, max_batches=tr["eval_batches"])
-    evaluate = loop.make_eval_fn(loss_fn, [np.asarray(b) for b in val] if mesh else [jnp.asarray(b) for b in val], mesh)
+    # Host arrays on a mesh (split over "data" by make_eval_fn), device arrays on one device.
+    evaluate = loop.make_eval_fn(loss_fn, [np.asarray(b) if mesh else jnp.asarray(b) for b in val], mesh)
     args.out.mkdir(parents=True, exist_ok=True)
     run_info = {"model": dataclasses.asdict(model_cfg), "optim": dataclasses.asdict(optim_cfg), "train": tr,
                 "params": n_params, "train_tokens": int(len(train_tokens)),
