@@ -88,7 +88,7 @@ def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
     for file in safetensor_files(path):
         with safe_open(str(file), framework="flax") as f:
             if EMBED_NAME in f.keys():
-                with jax.default_device(jax.devices("cpu")[0]):
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
                     table = np.asarray(f.get_tensor(EMBED_NAME), np.float32)
                 break
     else:

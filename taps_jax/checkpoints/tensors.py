@@ -23,7 +23,7 @@ SINGLE_NAME = "model.safetensors"
 
 
 def _host():
-    return jax.default_device(jax.devices("cpu")[0])
+    return jax.default_device(jax.local_devices(backend="cpu")[0])  # this process's own CPU
 
 
 def safetensor_files(path: Path) -> list[Path]:

@@ -23,6 +23,7 @@ from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.prefill import RUNNING, prefill, stop_reason
 from taps_jax.engine.sampling import sample
 from taps_jax.models.cache import KVCache
+from taps_jax.sharding import constrain_batch, constrain_kv_cache
 from taps_jax.models.drafter import DrafterCache, draft_logits
 from taps_jax.tree.accept import accept_walk
 from taps_jax.tree.policies import TreeConfig, draft_tree
@@ -65,6 +66,14 @@ def _merge(target_graphdef, target_params, drafter_graphdef, drafter_params, sco
     return target, drafter, scorer
 
 
+def _pin(state: SpecState) -> SpecState:
+    """Keep caches on (-, data, -, model, -) and per-sequence fields on data (no-op without a mesh)."""
+    caches = dict(cache=constrain_kv_cache(state.cache), dcache=constrain_kv_cache(state.dcache))
+    rest = {f: constrain_batch(getattr(state, f)) for f in
+            ("ctx_taps_BAF", "ctx_count_B", "bonus_B", "out_BN", "generated_B", "finish_B", "rounds_B", "accepted_BR")}
+    return state.replace(**caches, **rest)
+
+
 def _sizes(drafter, config: SpecConfig) -> tuple[int, int, int]:
     """(H drafted positions, T tree size, A accepted-path bound)."""
     H = drafter.config.block_size - 1
@@ -86,7 +95,7 @@ def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: 
     bonus_B = sample(logits_BV, sub, dc.sampling)
     generated_B = jnp.ones((B,), jnp.int32)
     finish_B = stop_reason(bonus_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
-    return SpecState(
+    return _pin(SpecState(
         cache=cache,
         dcache=dcache,
         ctx_taps_BAF=jnp.zeros((B, A, prompt_taps_BTF.shape[-1]), prompt_taps_BTF.dtype),
@@ -98,7 +107,7 @@ def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: 
         rounds_B=jnp.zeros((B,), jnp.int32),
         accepted_BR=jnp.zeros((B, N), jnp.int32),
         key=key,
-    )
+    ))
 
 
 def draft_stage(target, drafter, s: SpecState):
@@ -187,7 +196,7 @@ def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig
         accepted_BR=accepted_BR,
         key=key,
     )
-    return next_state, acc
+    return _pin(next_state), acc
 
 
 def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> SpecState:
