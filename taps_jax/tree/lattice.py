@@ -42,22 +42,22 @@ def build_lattice(logits_BHV: jax.Array, k: int) -> Lattice:
     logits_BHV = logits_BHV.astype(jnp.float32)
     logp_BHV = jax.nn.log_softmax(logits_BHV, axis=-1)
 
-    # Take at least two so that the margin is defined whenever V >= 2.
-    k2 = max(k, min(2, vocab))
-    _, tokens_BHK2 = lax.top_k(logits_BHV, k2)
-    logprobs_BHK2 = jnp.take_along_axis(logp_BHV, tokens_BHK2, axis=-1)
-    probs_BHK2 = jnp.exp(logprobs_BHK2)
+    _, tokens_BHK = lax.top_k(logits_BHV, k)
+    logprobs_BHK = jnp.take_along_axis(logp_BHV, tokens_BHK, axis=-1)
+    # The margin needs the top two. A separate top_k(2) instead of slicing a
+    # wider one: XLA:CPU turns a sliced top_k into a full sort (~100x slower).
+    top2_BH2 = jnp.exp(jnp.take_along_axis(logp_BHV, lax.top_k(logits_BHV, min(2, vocab))[1], axis=-1))
+    second_BH = top2_BH2[..., 1] if vocab >= 2 else jnp.zeros_like(top2_BH2[..., 0])
 
     probs_BHV = jnp.exp(logp_BHV)
     # 0 * log 0 = 0: masked (-inf) logits must not turn the entropy into NaN.
     plogp_BHV = jnp.where(probs_BHV > 0, probs_BHV * logp_BHV, 0.0)
     entropy_BH = -jnp.sum(plogp_BHV, axis=-1)
-    second_BH = probs_BHK2[..., 1] if k2 >= 2 else jnp.zeros_like(entropy_BH)
 
     return Lattice(
-        logprobs_BHK=logprobs_BHK2[..., :k],
-        tokens_BHK=tokens_BHK2[..., :k].astype(jnp.int32),
+        logprobs_BHK=logprobs_BHK,
+        tokens_BHK=tokens_BHK.astype(jnp.int32),
         entropy_BH=entropy_BH,
-        margin_BH=probs_BHK2[..., 0] - second_BH,
-        topk_mass_BH=jnp.sum(probs_BHK2[..., :k], axis=-1),
+        margin_BH=top2_BH2[..., 0] - second_BH,
+        topk_mass_BH=jnp.sum(jnp.exp(logprobs_BHK), axis=-1),
     )
