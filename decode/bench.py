@@ -20,8 +20,8 @@ import numpy as np
 from tqdm import tqdm
 
 from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
-from decode.prompts import read_prompts
 from decode.stages import stage_times_ms
+from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.engine.ar import ar_generate
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_mesh_args(p)
     p.add_argument("--prompts", type=Path, default=None,
-                   help="JSONL file, one {\"prompt\": ...} per line (default: the embedded held-out set)")
+                   help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]}) per line (default: the embedded held-out set)")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--policies", type=_policies, default=["ar", "chain", "ddtree"],
                    help="comma-separated, from " + ",".join(POLICIES) + " (default ar,chain,ddtree)")
@@ -91,7 +91,7 @@ def _run(decoder, batches, args, desc):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
-    prompts = read_prompts(prompts_file)[: args.num_prompts]
+    prompts = [r.prompt for r in read_prompt_file(prompts_file)][: args.num_prompts]
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     mesh = setup_mesh(args)

@@ -39,54 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from taps_jax.engine.batching import bucket
-
-
-@dataclasses.dataclass(frozen=True)
-class JobPrompt:
-    id: str | int
-    prompt: str | list[int]
-
-
-def read_job_prompts(path) -> list[JobPrompt]:
-    """The prompts of a JSONL job file; errors name the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompts file {str(path)!r} does not exist")
-    out, seen = [], {}
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}); each line must be "
-                                 "{\"prompt\": \"...\"} with an optional \"id\"") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected an object with a string \"prompt\" field")
-            prompt = record.get("prompt", record.get("ids"))
-            is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-            if not (isinstance(prompt, str) or is_ids):
-                raise ValueError(f"{path}:{lineno}: expected a string \"prompt\" field "
-                                 "(or \"ids\": a list of token ids)")
-            if not prompt:
-                raise ValueError(f"{path}:{lineno}: empty prompt")
-            pid = record.get("id", len(out))
-            if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-                raise ValueError(f"{path}:{lineno}: \"id\" must be a string or an integer, got {pid!r}")
-            key = _key(pid)
-            if key in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {pid!r} (first on line {seen[key]}); "
-                                 "ids must be unique")
-            seen[key] = lineno
-            out.append(JobPrompt(pid, prompt))
-    if not out:
-        raise ValueError(f"{path}: no prompts found")
-    return out
-
-
-def _key(pid) -> str:
-    return json.dumps(pid)  # 1 and "1" stay distinct
+from taps_jax.prompt_file import PromptRecord, prompt_key, read_prompt_file
 
 
 def recover_output(path) -> set[str]:
@@ -114,7 +67,7 @@ def recover_output(path) -> set[str]:
                 break  # a damaged line: keep what precedes it, redo the rest
             record = None
         if record is not None:
-            done.add(_key(record["id"]))
+            done.add(prompt_key(record["id"]))
         keep = start = end + 1
     if keep < len(data):
         tqdm.write(f"{path}: dropping {len(data) - keep} bytes of an incomplete last line "
@@ -126,10 +79,10 @@ def recover_output(path) -> set[str]:
     return done
 
 
-def plan_batches(items: list[tuple[JobPrompt, int]], batch_size: int) -> list[list[JobPrompt]]:
+def plan_batches(items: list[tuple[PromptRecord, int]], batch_size: int) -> list[list[PromptRecord]]:
     """(prompt, token count) pairs -> batches of one length bucket each, shortest first."""
     ordered = sorted(items, key=lambda it: (bucket(it[1]), it[1]))
-    batches: list[list[JobPrompt]] = []
+    batches: list[list[PromptRecord]] = []
     current, current_bucket = [], None
     for prompt, n in ordered:
         b = bucket(n)
@@ -143,9 +96,9 @@ def plan_batches(items: list[tuple[JobPrompt, int]], batch_size: int) -> list[li
     return batches
 
 
-def _batch_seed(seed: int, batch: list[JobPrompt]) -> int:
+def _batch_seed(seed: int, batch: list[PromptRecord]) -> int:
     """A per-batch seed that does not depend on what an earlier run already finished."""
-    return (seed + zlib.crc32(_key(batch[0].id).encode())) % (2**31 - 1)
+    return (seed + zlib.crc32(prompt_key(batch[0].id).encode())) % (2**31 - 1)
 
 
 def _append(fd: int, lines: list[str]) -> None:
@@ -165,11 +118,11 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {batch_size!r}")
-    prompts = read_job_prompts(prompts_path)
+    prompts = read_prompt_file(prompts_path)
     out_path = Path(out_path)
     main = jax.process_index() == 0
     done = recover_output(out_path) if main else set()
-    todo_mask = np.array([_key(p.id) not in done for p in prompts])
+    todo_mask = np.array([prompt_key(p.id) not in done for p in prompts])
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

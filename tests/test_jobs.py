@@ -36,17 +36,17 @@ def read_rows(path: Path) -> list[dict]:
 
 def test_read_job_prompts_ids_and_errors(tmp_path):
     f = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"id": "x", "prompt": "b"}, {"ids": [1, 2]}])
-    got = jobs.read_job_prompts(f)
+    got = jobs.read_prompt_file(f)
     assert [(p.id, p.prompt) for p in got] == [(0, "a"), ("x", "b"), (2, [1, 2])]
     write_jsonl(f, [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}])
     with pytest.raises(ValueError, match=r"in.jsonl:2: duplicate id 1 \(first on line 1\)"):
-        jobs.read_job_prompts(f)
+        jobs.read_prompt_file(f)
     f.write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(ValueError, match="in.jsonl:2: malformed JSON"):
-        jobs.read_job_prompts(f)
+        jobs.read_prompt_file(f)
     write_jsonl(f, [{"id": [1], "prompt": "a"}])
     with pytest.raises(ValueError, match="must be a string or an integer"):
-        jobs.read_job_prompts(f)
+        jobs.read_prompt_file(f)
 
 
 def test_recover_output_cuts_a_torn_tail(tmp_path):
@@ -60,7 +60,7 @@ def test_recover_output_cuts_a_torn_tail(tmp_path):
 
 
 def test_plan_batches_by_length_bucket():
-    items = [(jobs.JobPrompt(i, "p"), n) for i, n in enumerate([3, 40, 5, 17, 16, 2, 33, 1])]
+    items = [(jobs.PromptRecord(i, "p"), n) for i, n in enumerate([3, 40, 5, 17, 16, 2, 33, 1])]
     batches = jobs.plan_batches(items, batch_size=2)
     assert [[p.id for p in b] for b in batches] == [[7, 5], [0, 2], [4], [3], [6, 1]]
 

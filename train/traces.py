@@ -49,6 +49,7 @@ from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import bucket, encode_prompts, pad_batch
 from taps_jax.engine.prefill import RUNNING
 from taps_jax.engine.sampling import SamplingConfig
+from taps_jax.prompt_file import read_prompt_file
 from taps_jax.engine.speculative import SpecConfig, SpecState, draft_stage, init_state, select_stage, verify_stage
 from taps_jax.tree.lattice import build_lattice
 from taps_jax.tree.policies import TreeConfig
@@ -335,31 +336,6 @@ def _write_meta(out: Path, meta: dict) -> None:
 # --------------------------------------------------------------------------- collection
 
 
-def read_prompt_file(path) -> list:
-    """JSONL: one {"prompt": "text"} or {"ids": [token ids]} per line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompts file {str(path)!r} does not exist")
-    out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}); each line must be "
-                             f'{{"prompt": "..."}} or {{"ids": [...]}}') from None
-        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"]:
-            out.append(rec["prompt"])
-        elif isinstance(rec, dict) and isinstance(rec.get("ids"), list) and rec["ids"]:
-            out.append(rec["ids"])
-        else:
-            raise ValueError(f'{path}:{lineno}: expected {{"prompt": "non-empty text"}} or {{"ids": [ints]}}')
-    if not out:
-        raise ValueError(f"{path}: no prompts found")
-    return out
-
-
 def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceConfig(), *,
             batch_size: int = 8, shard_rows: int = 4096, stop_at_eos: bool = True, progress: bool = True,
             source: str | None = None) -> dict:
@@ -471,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config = TraceConfig(args.pool_width, args.pool_k, args.policy, args.budget, args.max_new_tokens,
                              args.max_prompt_len)
-        prompts = read_prompt_file(args.prompts)
+        prompts = [r.prompt for r in read_prompt_file(args.prompts)]
         target = load_target(args.target, args.dtype)
         drafter = load_drafter(args.drafter, args.dtype)
         meta = collect(target, drafter, prompts, args.out, config, batch_size=args.batch_size,
