@@ -12,7 +12,9 @@ import numpy as np
 from flax import nnx
 
 from taps_jax import sharding
-from taps_jax.checkpoints.hf import _prefix, check_dir, config_from_hf, load_transformer, read_json, save_transformer
+from taps_jax.checkpoints.hf import (
+    _prefix, check_dir, config_from_hf, ignored_tensors, load_transformer, read_json, save_transformer,
+)
 from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
 from taps_jax.config import ModelConfig
 from taps_jax.engine.ar import DecodeConfig, ar_generate
@@ -153,11 +155,7 @@ def load_target(path, dtype: str = "float32", mesh=None) -> Target:
         config = config_from_hf(raw, str(path / "config.json"), dtype)
         sharding.check_config(config, mesh, "target")
         abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
-
-        def ignore(name: str) -> bool:  # as load_transformer: derived rotary buffers, tied copies of lm_head
-            return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
-
-        model = sharding.load_module(abstract, path, _prefix, str(path), mesh, ignore)
+        model = sharding.load_module(abstract, path, _prefix, str(path), mesh, ignored_tensors(config))
     eos = stop_ids(path, raw)
     tokenizer = Tokenizer.from_file(path / "tokenizer.json", eos) if (path / "tokenizer.json").is_file() else None
     return Target(model, tokenizer, eos, mesh)

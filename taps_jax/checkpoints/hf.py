@@ -132,6 +132,16 @@ def _prefix(path: tuple) -> str:
     return "" if path[0] == "lm_head" else "model."
 
 
+def ignored_tensors(config: ModelConfig):
+    """Checkpoint tensors that map to no parameter and are fine to skip."""
+
+    def ignore(name: str) -> bool:
+        # Tied checkpoints may still carry a copy of lm_head; rotary buffers are derived.
+        return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
+
+    return ignore
+
+
 def load_transformer(path, dtype: str = "float32") -> tuple[Transformer, dict]:
     """Transformer + its raw config dict from a HF checkpoint dir."""
     path = check_dir(path)
@@ -139,12 +149,7 @@ def load_transformer(path, dtype: str = "float32") -> tuple[Transformer, dict]:
     config = config_from_hf(raw, str(path / "config.json"), dtype)
     abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
     tensors = read_tensors(path)
-
-    def ignore(name: str) -> bool:
-        # Tied checkpoints may still carry a copy of lm_head; rotary buffers are derived.
-        return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
-
-    model = load_module(abstract, tensors, _prefix, str(path), ignore)
+    model = load_module(abstract, tensors, _prefix, str(path), ignored_tensors(config))
     return model, raw
 
 
