@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from taps_jax import load_scorer, load_target
-from taps_jax.sharding import add_mesh_args, setup_mesh  # noqa: F401  (the CLIs' --mesh / --distributed flags)
+from taps_jax.sharding import add_mesh_args, positive_int, setup_mesh  # noqa: F401  (re-exported for the CLIs)
 from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
 
 
@@ -55,16 +55,6 @@ def load_models(args, mesh=None) -> ModelSet:
         load_drafter(drafter_dir, args.dtype, mesh) if drafter_dir else None,
         load_scorer(scorer_dir) if scorer_dir else None,
     )
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def run(main, prog: str) -> None:

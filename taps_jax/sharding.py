@@ -491,7 +491,8 @@ def is_main_process() -> bool:
 # --------------------------------------------------------------------------- command-line flags
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (shared by every command-line tool)."""
     try:
         value = int(text)
     except ValueError:
@@ -513,7 +514,7 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
                         "from the flags below, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, "
                         "else JAX's cluster auto-detection, e.g. on TPU pod slices)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="coordinator address (process 0)")
-    g.add_argument("--num-processes", type=_positive_int, default=None, help="number of processes (hosts)")
+    g.add_argument("--num-processes", type=positive_int, default=None, help="number of processes (hosts)")
     g.add_argument("--process-id", type=int, default=None, help="this process's id in [0, num-processes)")
 
 
