@@ -18,7 +18,7 @@ from taps_jax.checkpoints.hf import (
 from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
 from taps_jax.config import ModelConfig
 from taps_jax.engine.ar import DecodeConfig, ar_generate
-from taps_jax.engine.batching import bucket, check_lengths, encode_prompts, pad_batch
+from taps_jax.engine.batching import bucket, check_call, check_lengths, encode_prompts, pad_batch
 from taps_jax.engine.prefill import FINISH_NAMES
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.models.transformer import Transformer
@@ -107,10 +107,7 @@ class Target:
         """
         check_lengths(max_new_tokens)
         sampling = SamplingConfig(temperature, top_k, top_p)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0):
-            raise ValueError(f"capacity must be a positive integer (KV-cache slots per sequence) or None, got {capacity!r}")
+        check_call(seed, capacity, stop_at_eos)
         ids = self.encode(prompts)
         if capacity is None:
             capacity = bucket(max(map(len, ids)) + max_new_tokens)

@@ -43,6 +43,12 @@ class ModelConfig:
     dtype: str = "float32"  # parameter and activation dtype; logits are float32
 
     def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings")
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {name} must be a positive integer, got {value!r}; fix the model config")
         if self.family not in FAMILIES:
             raise ValueError(
                 f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}"

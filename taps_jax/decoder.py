@@ -16,7 +16,7 @@ from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_dr
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
 from taps_jax.engine.ar import DecodeConfig
-from taps_jax.engine.batching import bucket, check_lengths, pad_batch
+from taps_jax.engine.batching import bucket, check_call, check_lengths, pad_batch
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.speculative import SpecConfig, spec_generate
 from taps_jax.models.drafter import Drafter
@@ -68,8 +68,9 @@ def tree_config(policy: str, budget: int, vocab_size: int, lattice_k: int | None
         raise ValueError(f"unknown tree policy {policy!r}; choose one of {', '.join(p for p in POLICIES if p != 'ar')}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be a positive integer (non-root tree nodes per round), got {budget!r}")
-    k = lattice_k or min(budget, vocab_size)
-    return TreeConfig(policy, budget, k, beam_width or budget)
+    # `is None`, not `or`: an explicit 0 must reach validate() and fail there.
+    k = min(budget, vocab_size) if lattice_k is None else lattice_k
+    return TreeConfig(policy, budget, k, budget if beam_width is None else beam_width)
 
 
 class SpeculativeDecoder:
@@ -94,6 +95,11 @@ class SpeculativeDecoder:
                  mesh=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if not isinstance(target, Target):
+            raise ValueError(f"target must be a Target (from load_target(path)), got {type(target).__name__}")
+        if drafter is not None and not isinstance(drafter, DrafterModel):
+            raise ValueError(f"drafter must be a DrafterModel (from load_drafter(path)) or None, "
+                             f"got {type(drafter).__name__}")
         if mesh is not None and mesh is not target.mesh:
             target = target.on_mesh(mesh)
         self.mesh = target.mesh
@@ -138,6 +144,7 @@ class SpeculativeDecoder:
                 top_p: float = 1.0, seed: int = 0, capacity: int | None = None, stop_at_eos: bool = True):
         """Checked, padded inputs of `spec_generate`: (prompt ids, positional args, keyword args)."""
         check_lengths(max_new_tokens)
+        check_call(seed, capacity, stop_at_eos)
         sampling = SamplingConfig(temperature, top_k, top_p)
         ids = self.target.encode(prompts)
         tree_size = self.tree.tree_size(self.horizon)
@@ -200,10 +207,18 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
     """
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist")
+        raise ValueError(f"model directory {str(path)!r} does not exist; pass a directory holding target/ and drafter/")
     if not (path / "target").is_dir():
         raise ValueError(f"{path}: no target/ subdirectory; a model set holds target/ and drafter/")
     target = load_target(path / "target", dtype, mesh)
     drafter = load_drafter(path / "drafter", dtype, mesh) if (path / "drafter").is_dir() else None
     scorer = load_scorer(path / "scorer") if (path / "scorer").is_dir() else None
+    # The parts ship together, so a mismatch is a broken set: say so at load, not at decode.
+    try:
+        if drafter is not None:
+            drafter.config.check_target(target.config)
+            if scorer is not None:
+                scorer.check_models(target.config, drafter.config)
+    except ValueError as e:
+        raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
     return ModelSet(target, drafter, scorer)

@@ -126,7 +126,7 @@ GOOD = [[1, 2, 3], [4, 5]]
         ([[1.5, 2.0]], {}, "1-D sequence of integers"),
         ([[1, 2, 100]], {}, "token id 100 is outside the vocabulary"),
         ([[3], [-1]], {}, "token id -1 is outside the vocabulary"),
-        ([[1] * 20], dict(capacity=16), "a prompt has 20 tokens but the cache holds 16"),
+        ([[1] * 20], dict(capacity=16), "prompt 0 has 20 tokens but the cache holds 16"),
         (GOOD, dict(capacity=0), "capacity must be a positive integer"),
         (GOOD, dict(capacity=8.5), "capacity must be a positive integer"),
         (GOOD, dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),

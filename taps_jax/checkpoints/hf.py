@@ -22,7 +22,7 @@ FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 def check_dir(path) -> Path:
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"checkpoint directory {str(path)!r} does not exist or is not a directory")
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist or is not a directory; check the path")
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; expected a Hugging Face model directory")
     return path
@@ -30,37 +30,55 @@ def check_dir(path) -> Path:
 
 def read_json(file: Path) -> dict:
     try:
-        return json.loads(file.read_text())
+        raw = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: cannot read JSON ({e})") from e
+        raise ValueError(f"{file}: cannot read JSON ({e}); fix or re-export the file") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: must hold a JSON object of config fields, got a {type(raw).__name__}; "
+                         f"re-export the checkpoint")
+    return raw
 
 
 def _field(raw: dict, key: str, kind, source: str, default=None):
-    value = raw.get(key, default)
+    """raw[key] as `kind` (int, float or bool); a wrong JSON type is named, never coerced."""
+    value = raw.get(key)
+    if value is None:  # absent or null (HF writes null for "use the default")
+        value = default
     if value is None:
-        raise ValueError(f"{source}: config field {key!r} is missing")
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{source}: config field {key!r} must be an integer, got {value!r}")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{source}: config field {key!r} must be a number, got {value!r}")
+        raise ValueError(f"{source}: config field {key!r} is missing; add it to the config")
+    # bool is an int in Python; "256" or 2.5 for a size must not be coerced silently.
+    ok = {
+        int: not isinstance(value, bool) and isinstance(value, int),
+        float: not isinstance(value, bool) and isinstance(value, (int, float)),
+        bool: isinstance(value, bool),
+    }[kind]
+    if not ok:
+        want = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise ValueError(f"{source}: config field {key!r} must be {want}, got {type(value).__name__} {value!r}; "
+                         f"fix it in the config")
     return kind(value)
 
 
 def _rope(raw: dict, source: str) -> tuple[float, RopeScaling | None]:
     """rope_theta and scaling from either the v4 (`rope_scaling`) or v5 (`rope_parameters`) layout."""
     params = raw.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: config field 'rope_parameters' must be an object, got {params!r}")
+    theta = _field(raw if "rope_theta" in raw else params, "rope_theta", float, source, default=10000.0)
     scaling = raw.get("rope_scaling") or params
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{source}: config field 'rope_scaling' must be an object or null, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
         raise ValueError(f"{source}: rope type {kind!r} is not supported (supported: default, llama3)")
+    where = f"{source} (rope scaling)"
     return float(theta), RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor=_field(scaling, "factor", float, where),
+        low_freq_factor=_field(scaling, "low_freq_factor", float, where),
+        high_freq_factor=_field(scaling, "high_freq_factor", float, where),
+        original_max_position_embeddings=_field(scaling, "original_max_position_embeddings", int, where),
     )
 
 
@@ -79,7 +97,14 @@ def config_from_hf(raw: dict, source: str = "config.json", dtype: str = "float32
     theta, scaling = _rope(raw, source)
     hidden = _field(raw, "hidden_size", int, source)
     heads = _field(raw, "num_attention_heads", int, source)
-    head_dim = raw.get("head_dim") or hidden // heads
+    head_dim = _field(raw, "head_dim", int, source, default=hidden // heads if heads > 0 else 0)
+    try:
+        return _model_config(raw, source, dtype, family, theta, scaling, hidden, heads, head_dim)
+    except ValueError as e:
+        raise ValueError(e if str(e).startswith(source) else f"{source}: {e}") from None
+
+
+def _model_config(raw, source, dtype, family, theta, scaling, hidden, heads, head_dim) -> ModelConfig:
     return ModelConfig(
         vocab_size=_field(raw, "vocab_size", int, source),
         hidden_size=hidden,
@@ -87,12 +112,12 @@ def config_from_hf(raw: dict, source: str = "config.json", dtype: str = "float32
         num_layers=_field(raw, "num_hidden_layers", int, source),
         num_heads=heads,
         num_kv_heads=_field(raw, "num_key_value_heads", int, source, default=heads),
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         family=family,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=_field(raw, "rms_norm_eps", float, source, default=1e-6),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_embeddings=_field(raw, "tie_word_embeddings", bool, source, default=False),
         max_position_embeddings=_field(raw, "max_position_embeddings", int, source, default=32768),
         dtype=dtype,
     )

@@ -76,7 +76,7 @@ def config_from_json(raw: dict, source: str) -> ScorerConfig:
     known = {f.name for f in dataclasses.fields(ScorerConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ValueError(f"{source}: unknown scorer_config fields {unknown}; known: {sorted(known)}")
+        raise ValueError(f"{source}: unknown scorer_config fields {unknown}; remove them (known: {sorted(known)})")
     try:
         return ScorerConfig(**fields)
     except TypeError as e:  # a required field is missing

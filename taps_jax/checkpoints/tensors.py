@@ -27,22 +27,55 @@ def _host():
 
 
 def safetensor_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint dir (single file or sharded with index)."""
+    """The weight files of a checkpoint dir (single file or sharded with index), each size-checked."""
     if (path / INDEX_NAME).is_file():
-        index = json.loads((path / INDEX_NAME).read_text())
-        names = sorted(set(index["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path / INDEX_NAME}: not a safetensors index ({e!r}); re-download or re-export "
+                             f"the checkpoint") from e
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
-            raise ValueError(f"{path}: shards listed in {INDEX_NAME} are missing: {missing}")
-        return [path / n for n in names]
-    if (path / SINGLE_NAME).is_file():
-        return [path / SINGLE_NAME]
-    found = sorted(p.name for p in path.glob("*.safetensors"))
-    if found:
-        return [path / n for n in found]
-    raise ValueError(
-        f"{path}: no weights found; expected {SINGLE_NAME} or {INDEX_NAME} with its shards"
-    )
+            raise ValueError(f"{path}: shards listed in {INDEX_NAME} are missing: {missing}; "
+                             f"re-download or re-export the checkpoint")
+        files = [path / n for n in names]
+    elif (path / SINGLE_NAME).is_file():
+        files = [path / SINGLE_NAME]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{path}: no weights found; expected {SINGLE_NAME} or {INDEX_NAME} with its shards"
+        )
+    for file in files:
+        check_file_size(file)
+    return files
+
+
+def check_file_size(file: Path) -> None:
+    """ValueError unless the file is exactly as long as its header says (catches truncated copies).
+
+    Layout: 8-byte little-endian header length n, n bytes of JSON header whose
+    tensors' `data_offsets` index the data block that follows.
+    """
+    size = file.stat().st_size
+    fix = "re-download or re-export it"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ValueError(f"{file}: cannot read safetensors file: truncated inside its header "
+                             f"({size} bytes); {fix}")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValueError(f"{file}: cannot read safetensors file: malformed header ({e!r}); {fix}") from e
+    expected = 8 + n + end
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise ValueError(f"{file}: cannot read safetensors file: {what} (header describes {expected} bytes, "
+                         f"the file has {size}); {fix}")
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:

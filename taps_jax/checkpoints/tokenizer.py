@@ -8,18 +8,28 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 
-def _as_list(value) -> list[int]:
+def _as_list(value, source: str) -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    # int() would turn 2.5 into 2 and "2" into 2: a wrong stop id silently never stops.
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ValueError(f"{source}: eos_token_id must be a token id or a list of them (integers >= 0), "
+                         f"got {type(bad[0]).__name__} {bad[0]!r}; fix it in that file")
+    return list(values)
 
 
 def stop_ids(path: Path, raw_config: dict) -> tuple[int, ...]:
     """EOS ids from generation_config.json (preferred) and config.json."""
-    ids = _as_list(raw_config.get("eos_token_id"))
+    ids = _as_list(raw_config.get("eos_token_id"), str(path / "config.json"))
     gen = path / "generation_config.json"
     if gen.is_file():
-        ids = _as_list(json.loads(gen.read_text()).get("eos_token_id")) + ids
+        try:
+            raw = json.loads(gen.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{gen}: cannot read JSON ({e}); fix or delete the file") from e
+        ids = _as_list(raw.get("eos_token_id") if isinstance(raw, dict) else None, str(gen)) + ids
     return tuple(dict.fromkeys(ids))
 
 

@@ -38,10 +38,11 @@ def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
                 raise ValueError(f"prompt {i}: token ids must be a 1-D sequence of integers, got {arr.dtype} with shape {arr.shape}")
             ids = arr.astype(np.int64).tolist()
         if not ids:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token, so drop it or add some")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
+                             "encode prompts with this target's tokenizer")
         out.append(ids)
     return out
 
@@ -49,6 +50,17 @@ def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
 def check_lengths(max_new_tokens, temperature=0.0) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def check_call(seed, capacity, stop_at_eos) -> None:
+    """The non-sampling generate arguments (sampling ones are checked by SamplingConfig)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    # 0 is not "use the default": `capacity or default` would hide the mistake.
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0):
+        raise ValueError(f"capacity must be a positive integer (KV-cache slots per sequence) or None, got {capacity!r}")
+    if not isinstance(stop_at_eos, (bool, np.bool_)):
+        raise ValueError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
 
 
 def pad_batch(ids: Sequence[Sequence[int]], capacity: int, min_batch: int = 1):
@@ -59,8 +71,9 @@ def pad_batch(ids: Sequence[Sequence[int]], capacity: int, min_batch: int = 1):
     """
     longest = max(len(p) for p in ids)
     if longest > capacity:
+        i = next(i for i, p in enumerate(ids) if len(p) == longest)
         raise ValueError(
-            f"a prompt has {longest} tokens but the cache holds {capacity}; "
+            f"prompt {i} has {longest} tokens but the cache holds {capacity} (capacity); "
             "shorten the prompt or raise capacity"
         )
     T = min(bucket(longest), capacity)

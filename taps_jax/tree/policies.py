@@ -65,6 +65,12 @@ class TreeConfig:
             raise ValueError(
                 f"Unknown tree policy {self.policy!r}; choose one of {', '.join(KNOWN_POLICIES)}."
             )
+        # Sizes become array shapes inside jit: a float or bool would fail deep in tracing.
+        for name in ("budget", "lattice_k", "beam_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Tree {name} must be an integer, got {type(value).__name__} {value!r}; "
+                                 f"pass a whole number.")
         if self.budget < 1:
             raise ValueError(f"Tree budget must be >= 1, got {self.budget}; raise the budget.")
         if self.policy == "chain":

@@ -70,7 +70,7 @@ class ScorerConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"scorer {f.name} must be a positive integer, got {value!r}")
+                raise ValueError(f"scorer {f.name} must be a positive integer, got {type(value).__name__} {value!r}")
 
     @property
     def edge_features(self) -> int:
