@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
+from decode.repetition import REPEAT_NGRAM, repetition_stats
 from decode.stages import stage_times_ms
 from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
@@ -76,16 +77,14 @@ def _run(decoder, batches, args, desc):
     for batch in batches:
         decoder.generate(batch, args.max_new_tokens, **kw)
     warm = time.perf_counter() - start
-    tokens, rounds, accepted = [], 0, 0
+    tokens, per_round = [], []
     start = time.perf_counter()
     for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
         res = decoder.generate(batch, args.max_new_tokens, **kw)
         tokens += res.tokens
-        if "rounds" in res.stats:
-            rounds += sum(res.stats["rounds"])
-            accepted += sum(map(sum, res.stats["accepted_lengths"]))
+        per_round += res.stats.get("accepted_lengths", [])
     seconds = time.perf_counter() - start
-    return tokens, rounds, accepted, seconds, max(warm - seconds, 0.0)
+    return tokens, per_round, seconds, max(warm - seconds, 0.0)
 
 
 def main(argv=None) -> int:
@@ -109,8 +108,9 @@ def main(argv=None) -> int:
 
     ar = SpeculativeDecoder(models.target, None, "ar")
     compiles0 = ar_generate._cache_size()
-    ar_tokens, _, _, ar_seconds, ar_compile = _run(ar, batches, args, "ar")
+    ar_tokens, _, ar_seconds, ar_compile = _run(ar, batches, args, "ar")
     n_ar = sum(map(len, ar_tokens))
+    prompt_ids = models.target.encode(prompts)
     report = {
         "config": {
             "prompts": str(prompts_file), "num_prompts": len(prompts), "policies": args.policies,
@@ -119,13 +119,15 @@ def main(argv=None) -> int:
             "block_size": models.drafter.config.block_size if models.drafter else None,
         },
         "ar": {"tokens_per_s": n_ar / ar_seconds, "tokens": n_ar, "seconds": ar_seconds,
-               "compile_s": ar_compile, "compiles": ar_generate._cache_size() - compiles0},
+               "compile_s": ar_compile, "compiles": ar_generate._cache_size() - compiles0,
+               "repeat_token_fraction": repetition_stats(prompt_ids, ar_tokens, [[]] * len(ar_tokens))["repeat_token_fraction"]},
         "results": [],
     }
     for (policy, budget), decoder in tqdm(decoders.items(), desc="policies", unit="config"):
         c0 = spec_generate._cache_size()
-        toks, rounds, accepted, seconds, compile_s = _run(decoder, batches, args, f"{policy}@{budget}")
+        toks, per_round, seconds, compile_s = _run(decoder, batches, args, f"{policy}@{budget}")
         n = sum(map(len, toks))
+        rounds, accepted = sum(map(len, per_round)), sum(map(sum, per_round))
         row = {
             "policy": policy, "budget": budget,
             "tau": accepted / max(rounds, 1),
@@ -137,6 +139,7 @@ def main(argv=None) -> int:
                 "distribution checked by the chi-square tests",
             "rounds": rounds, "tokens": n, "seconds": seconds, "compile_s": compile_s,
             "compiles": spec_generate._cache_size() - c0,
+            **repetition_stats(prompt_ids, toks, per_round),
         }
         stages = {} if args.no_stages else stage_times_ms(decoder, batches[0], args.max_new_tokens)
         for stage in ("draft", "select", "verify"):
@@ -159,12 +162,17 @@ def _decoder(models, policy, budget):
 def _print_table(report) -> None:
     ar = report["ar"]
     print(f"{'policy':<8} {'budget':>6} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'lossless':>8} "
-          f"{'draft':>7} {'select':>7} {'verify':>7}  (ms/round)")
-    print(f"{'ar':<8} {'-':>6} {1.0:>6.2f} {ar['tokens_per_s']:>8.1f} {1.0:>8.2f} {'-':>8}")
+          f"{'draft':>7} {'select':>7} {'verify':>7} {'tau_novel':>9} {'copy%':>6}")
+    print(f"{'ar':<8} {'-':>6} {1.0:>6.2f} {ar['tokens_per_s']:>8.1f} {1.0:>8.2f} {'-':>8} {'':>7} {'':>7} {'':>7} "
+          f"{'':>9} {100 * ar['repeat_token_fraction']:>6.1f}")
     for r in report["results"]:
         print(f"{r['policy']:<8} {r['budget']:>6} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} "
               f"{r['speedup_vs_ar']:>8.2f} {str(r['lossless']):>8} {r['draft_ms_per_round']:>7.2f} "
-              f"{r['select_ms_per_round']:>7.2f} {r['verify_ms_per_round']:>7.2f}")
+              f"{r['select_ms_per_round']:>7.2f} {r['verify_ms_per_round']:>7.2f} "
+              f"{r['tau_novel_rounds']:>9.2f} {100 * r['copy_accepted_fraction']:>6.1f}")
+    print(f"draft/select/verify: ms per round. copy%: for ar, the share of generated tokens that repeat an "
+          f"earlier {REPEAT_NGRAM}-gram; for a policy, the share of accepted tokens from rounds that only "
+          f"repeated text. tau_novel: tau over the other rounds.")
     sys.stdout.flush()
 
 

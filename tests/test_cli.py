@@ -62,9 +62,11 @@ def test_bench_writes_json_and_plot(model_dir, tmp_path):
     report = json.loads(out_json.read_text())
     assert set(report) >= {"config", "ar", "results"}
     assert report["ar"]["tokens"] == 18 and report["ar"]["tokens_per_s"] > 0
+    assert 0 <= report["ar"]["repeat_token_fraction"] <= 1
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [("chain", 4), ("ddtree", 4)]
     keys = {"policy", "budget", "tau", "tokens_per_s", "speedup_vs_ar", "lossless", "rounds",
-            "draft_ms_per_round", "select_ms_per_round", "verify_ms_per_round", "compiles"}
+            "draft_ms_per_round", "select_ms_per_round", "verify_ms_per_round", "compiles",
+            "tau_novel_rounds", "copy_accepted_fraction"}
     for row in report["results"]:
         assert keys <= set(row)
         assert row["lossless"] is True
@@ -124,3 +126,18 @@ def test_bench_bad_input(model_dir, tmp_path):
 def test_help_of_training_commands(module):
     res = _run(module, "--help")
     assert res.returncode == 0 and "usage:" in res.stdout, res.stderr
+
+
+def test_longrun_reports_no_growth_no_recompile_and_lossless(model_dir, tmp_path):
+    """The long-run script's checks, on a short run (the figures in the README come from the full one)."""
+    from decode import longrun
+
+    out = tmp_path / "longrun.json"
+    assert longrun.main(["--model", str(model_dir), "--prompts", str(model_dir / "prompts.jsonl"),
+                         "--num-prompts", "3", "--max-new-tokens", "40", "--policies", "ar,chain,ddtree",
+                         "--budget", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and set(report["results"]) == {"ar", "chain", "ddtree"}
+    for row in report["results"].values():
+        assert row["identical_to_ar"] and row["compiles_after_warmup"] == 0
+        assert row["tokens_per_s"] > 0

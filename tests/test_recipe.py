@@ -12,8 +12,8 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     work, assets = tmp_path / "work", tmp_path / "assets"
     argv = ["--work", str(work), "--assets", str(assets), "--preset", "tiny", "--vocab-size", "320",
             "--tokenizer-bytes", "60000", "--heldout-prompts", "4", "--trace-prompts", "4",
-            "--trace-tokens", "8", "--scorer-steps", "6", "--report-prompts", "2",
-            "--stages", "tokenizer,data,target,drafter,traces,scorer,assemble"]
+            "--trace-tokens", "8", "--scorer-steps", "6", "--report-prompts", "2", "--report-budgets", "4",
+            "--report-tokens", "8"]
     assert recipe.main(argv) == 0
     models = load_model_set(assets)
     assert models.drafter is not None and models.scorer is not None
@@ -24,7 +24,15 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
         extra = {"scorer": models.scorer} if policy == "taps" else {}
         dec = SpeculativeDecoder(models.target, models.drafter, policy, 4, **extra)
         assert dec.generate(["def f(x):"], 8).tokens == ar.tokens
+    report = json.loads((assets / "report.json").read_text())
+    assert report["losses"]["target"]["val_loss"] > 0 and report["losses"]["scorer"]["val_loss"] > 0
+    assert report["losses"]["drafter_val_agreement"]["acc_1"] >= 0
+    assert [r["policy"] for r in report["greedy"]["results"]] == ["chain", "ddtree", "taps"]
+    assert all(r["lossless"] for r in report["greedy"]["results"])
+    assert report["sampled"]["config"]["temperature"] == 1.0
+    assert (assets / "report.png").exists() and (assets / "report_t1.png").exists()
     capsys.readouterr()
     assert recipe.main(argv) == 0  # everything done: every stage is skipped
     out = capsys.readouterr().out
-    assert out.count("skipped") == 6
+    assert out.count("skipped") == 8
+    assert (assets / "report.png").exists() and (assets / "report.json").exists()

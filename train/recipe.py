@@ -12,12 +12,13 @@ own checkpoints when interrupted (rerun the same command):
   traces     TAPS traces on train-split prompts            -> WORK/traces/
   scorer     TAPS scorer training                          -> WORK/scorer_train/scorer/
   assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer}/
-  report     taps-bench on the assembled set               -> ASSETS/report.json, ASSETS/report.png
+  report     taps-bench at T=0 and T=1 + final losses        -> ASSETS/report.json, report.png, report_t1.png
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import shutil
 import sys
@@ -84,11 +85,54 @@ def run_stage(name: str, args) -> None:
     elif name == "assemble":
         assemble(args.assets, target_dir, drafter_dir, scorer_dir, work / "prompts_heldout.jsonl")
     elif name == "report":
-        from decode import bench
-        _check(bench.main(["--model", str(args.assets), "--policies", "ar,chain,ddtree,taps",
-                           "--budgets", "16,32,64", "--num-prompts", str(args.report_prompts),
-                           "--max-new-tokens", "128", "--json", str(args.assets / "report.json"),
-                           "--plot", str(args.assets / "report.png")]), name)
+        write_report(args.assets, work, args.report_prompts, args.report_budgets, args.report_tokens)
+
+
+def _best_val(metrics_csv: Path) -> dict | None:
+    """The lowest validation loss in a training loop's metrics.csv."""
+    if not metrics_csv.exists():
+        return None
+    with metrics_csv.open() as f:
+        rows = [r for r in csv.DictReader(f) if r["split"] == "val" and r["loss"]]
+    best = min(rows, key=lambda r: float(r["loss"]), default=None)
+    return {"val_loss": float(best["loss"]), "step": int(best["step"])} if best else None
+
+
+def _final_row(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    return {k: float(v) for k, v in rows[-1].items() if v} if rows else None
+
+
+def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,32,64", tokens: int = 128) -> None:
+    """taps-bench on the assembled set at temperature 0 and 1, plus the final training losses.
+
+    ASSETS/report.json = {"losses": ..., "greedy": <taps-bench JSON at T=0>, "sampled": <at T=1>};
+    report.png / report_t1.png are taps-bench's plots.
+    """
+    from decode import bench
+
+    runs = {}
+    for key, temperature, png in (("greedy", 0.0, "report.png"), ("sampled", 1.0, "report_t1.png")):
+        out, plot = work / f"report_{key}.json", work / f"report_{key}.png"
+        if not _done(out, f"report ({key})"):
+            _check(bench.main(["--model", str(assets), "--policies", "ar,chain,ddtree,taps",
+                               "--budgets", budgets, "--num-prompts", str(num_prompts),
+                               "--max-new-tokens", str(tokens), "--temperature", str(temperature),
+                               "--json", str(out), "--plot", str(plot)]), "report")
+        runs[key] = json.loads(out.read_text())
+        shutil.copy(plot, assets / png)  # assemble rebuilds ASSETS, so the runs live in WORK
+    losses = {
+        "target": _best_val(work / "target_train" / "metrics.csv"),
+        "drafter": _best_val(work / "drafter_train" / "metrics.csv"),
+        "drafter_val_agreement": _final_row(work / "drafter_train" / "val_agreement.csv"),
+        "scorer": (json.loads((work / "scorer_train" / "summary.json").read_text())
+                   if (work / "scorer_train" / "summary.json").exists() else None),
+    }
+    (assets / "report.json").write_text(json.dumps({"losses": losses, **runs}, indent=2))
+    print(f"[recipe] report: {assets / 'report.json'}", flush=True)
 
 
 def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dir: Path, prompts: Path) -> None:
@@ -124,7 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--trace-prompts", type=int, default=256)
     p.add_argument("--trace-tokens", type=int, default=128)
     p.add_argument("--scorer-steps", type=int, default=None, help="scorer training steps (default: train.scorer's)")
-    p.add_argument("--report-prompts", type=int, default=32)
+    p.add_argument("--report-prompts", type=int, default=32, help="held-out prompts in the report benchmark")
+    p.add_argument("--report-budgets", default="16,32,64", help="tree budgets in the report benchmark")
+    p.add_argument("--report-tokens", type=int, default=128, help="new tokens per prompt in the report benchmark")
     args = p.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]

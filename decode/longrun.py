@@ -1,0 +1,131 @@
+"""Long-run check: many tokens per prompt with every policy, watching memory and compiles.
+
+    python -m decode.longrun --num-prompts 16 --max-new-tokens 2000 --json longrun.json
+
+Each policy decodes the prompts one at a time (a decoding job's shape). The
+first prompt is the warm-up (it compiles); after it the script records the
+process RSS and JAX's live device bytes after every prompt and the number of
+compiled programs. It reports, per policy: tokens/s, tau, memory growth
+after warm-up, compiles after warm-up, and whether every greedy output equals
+AR's token for token. Exit status 1 if any policy grew, recompiled or differed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+from tqdm import tqdm
+
+from decode.bench import _int_list, _policies
+from decode.common import Parser, add_model_args, load_models, positive_int, run
+from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder
+from taps_jax.engine.ar import ar_generate
+from taps_jax.engine.speculative import spec_generate
+from taps_jax.prompt_file import read_prompt_file
+
+# Growth below this is allocator noise (RSS pages come and go by a few MiB).
+RSS_SLACK_MIB = 16.0
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def live_device_mib() -> float:
+    return sum(a.nbytes for a in jax.live_arrays()) / 2**20
+
+
+def compiles() -> int:
+    return ar_generate._cache_size() + spec_generate._cache_size()
+
+
+def build_parser():
+    p = Parser(prog="python -m decode.longrun", description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--prompts", type=Path, default=None, help="JSONL prompts (default: the embedded held-out set)")
+    p.add_argument("--num-prompts", type=positive_int, default=16)
+    p.add_argument("--max-new-tokens", type=positive_int, default=2000)
+    p.add_argument("--policies", type=_policies, default=["ar", "chain", "ddtree", "taps"])
+    p.add_argument("--budget", type=_int_list, default=[32], help="tree budget (one value)")
+    p.add_argument("--json", type=Path, help="write the figures as JSON here")
+    return p
+
+
+def decode_all(decoder, prompts, max_new_tokens: int, desc: str) -> dict:
+    tokens, rounds, accepted, rss, live, seconds = [], 0, 0, [], [], 0.0
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+        start = time.perf_counter()
+        res = decoder.generate([prompt], max_new_tokens, stop_at_eos=False)
+        if i:  # the first prompt compiles: not timed
+            seconds += time.perf_counter() - start
+        tokens += res.tokens
+        rounds += sum(res.stats.get("rounds", [0]))
+        accepted += sum(map(sum, res.stats.get("accepted_lengths", [[]])))
+        if i == 0:
+            compiles_after_warmup = compiles()
+        gc.collect()
+        rss.append(rss_mib())
+        live.append(live_device_mib())
+    timed = sum(map(len, tokens[1:]))
+    return {
+        "tokens": tokens,
+        "tokens_per_s": timed / seconds if seconds else float("nan"),
+        "tau": accepted / rounds if rounds else 1.0,
+        "rss_mib_after_warmup": rss[0], "rss_mib_end": rss[-1],
+        "rss_growth_mib": rss[-1] - rss[0],
+        "live_device_mib_after_warmup": live[0], "live_device_growth_mib": live[-1] - live[0],
+        "compiles_after_warmup": compiles() - compiles_after_warmup,
+    }
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.budget) != 1:
+        raise ValueError(f"--budget takes one value, got {args.budget}")
+    prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
+    prompts = [r.prompt for r in read_prompt_file(prompts_file)][: args.num_prompts]
+    models = load_models(args)
+    if any(p != "ar" for p in args.policies) and models.drafter is None:
+        raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")
+    if "taps" in args.policies and models.scorer is None:
+        raise ValueError("policy taps needs a scorer: pass --scorer DIR or drop taps from --policies")
+    decoders = {"ar": SpeculativeDecoder(models.target, None, "ar")}
+    for p in args.policies:
+        if p != "ar":
+            extra = {"scorer": models.scorer} if p == "taps" else {}
+            decoders[p] = SpeculativeDecoder(models.target, models.drafter, p, args.budget[0], **extra)
+
+    results = {name: decode_all(dec, prompts, args.max_new_tokens, name) for name, dec in decoders.items()}
+    ar_tokens = results["ar"]["tokens"]
+    ok = True
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, budget {args.budget[0]}, {args.dtype}")
+    print(f"{'policy':<8} {'tau':>6} {'tok/s':>8} {'rss MiB':>8} {'rss +MiB':>9} {'dev +MiB':>9} "
+          f"{'compiles':>9} {'same as ar':>10}")
+    for name, r in results.items():
+        r["identical_to_ar"] = r.pop("tokens") == ar_tokens
+        r["ok"] = (r["identical_to_ar"] and r["compiles_after_warmup"] == 0
+                   and r["rss_growth_mib"] <= RSS_SLACK_MIB and r["live_device_growth_mib"] <= 0.0)
+        ok &= r["ok"]
+        print(f"{name:<8} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} {r['rss_mib_after_warmup']:>8.0f} "
+              f"{r['rss_growth_mib']:>9.1f} {r['live_device_growth_mib']:>9.2f} {r['compiles_after_warmup']:>9} "
+              f"{str(r['identical_to_ar']):>10}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {"prompts": str(prompts_file), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                  "budget": args.budget[0], "dtype": args.dtype, "rss_slack_mib": RSS_SLACK_MIB}
+        args.json.write_text(json.dumps({"config": config, "results": results, "ok": ok}, indent=2))
+    print("ok" if ok else "FAILED: a policy grew in memory, recompiled or differed from AR")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    run(main, "python -m decode.longrun")
