@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from taps_jax.tree import (
     TreeConfig,
+    accept_walk,
     ancestor_mask,
     build_lattice,
     draft_tree,
@@ -288,3 +289,111 @@ def test_validate_messages():
     assert TreeConfig.exact_ddtree(64, 40).reproduces_ddtree(40)
     assert not TreeConfig("ddtree", 64, 32, 64).reproduces_ddtree(40)
     assert TreeConfig("ddtree", 64, 32, 64).tree_size(15) == 65
+
+
+# ---------------------------------------------------------------- acceptance and commit (issue 8, item 3)
+
+@functools.lru_cache(maxsize=None)
+def _accept(max_depth):
+    return jax.jit(functools.partial(accept_walk, max_depth=max_depth))
+
+
+def target_tokens(rng, tree, p_follow, vocab=V):
+    """Per node, the token the "target" produced: a random child's token with prob p_follow, else noise."""
+    batch, t = tree.tokens_BT.shape
+    out = rng.integers(0, vocab, size=(batch, t))
+    for b in range(batch):
+        for i in range(t):
+            kids = [j for j in range(t) if tree.valid_BT[b, j] and tree.parents_BT[b, j] == i]
+            if kids and rng.random() < p_follow:
+                out[b, i] = tree.tokens_BT[b, rng.choice(kids)]
+    return out
+
+
+@PROPS
+@given(seed=seeds, budget=st.sampled_from([3, 20]), p_follow=st.sampled_from([0.5, 0.9, 1.0]))
+def test_accept_walk_emits_only_target_tokens(seed, budget, p_follow):
+    """Every emitted token is the target's token after its exact prefix, along one valid root path."""
+    rng = np.random.default_rng(seed)
+    config = TreeConfig("ddtree", budget, K, W)
+    root = rng.integers(0, V, size=B)
+    tree, _, _, _ = jax.device_get(
+        _run(config)(jnp.asarray(random_logits(rng)), jnp.asarray(root), jnp.zeros(B, jnp.int32))
+    )
+    target = target_tokens(rng, tree, p_follow)
+    acc = jax.device_get(_accept(tree.max_depth)(tree, jnp.asarray(target)))
+    for b in range(B):
+        n = int(acc.num_accepted_B[b])
+        path = acc.path_BA[b, :n]
+        assert 1 <= n <= min(tree.max_depth, H) + 1
+        assert path[0] == 0 and tree.valid_BT[b, path].all()
+        assert (tree.parents_BT[b, path[1:]] == path[:-1]).all()  # a root path
+        np.testing.assert_array_equal(tree.depths_BT[b, path], np.arange(n))
+        # Emitted: the accepted drafted tokens, then the bonus. Each one is what
+        # the target produced at the previous node of the path.
+        emitted = [*tree.tokens_BT[b, path[1:]], acc.bonus_token_B[b]]
+        np.testing.assert_array_equal(emitted, target[b, path])
+        # And the walk stopped because no valid child carries the target's next token.
+        last = path[-1]
+        kids = tree.valid_BT[b] & (tree.parents_BT[b] == last)
+        assert n == tree.max_depth + 1 or not (tree.tokens_BT[b][kids] == target[b, last]).any()
+
+
+# Commit: a tiny target verifies a random tree on top of a random prompt,
+# accepts a random root path, and commits it; the cache must equal a fresh
+# prefill of prompt + path. Fixed shapes (prompt bucket 16, capacity 48).
+CB, CT, CAP, CV = 2, 16, 48, 8
+COMMIT_CONFIG = TreeConfig("ddtree", 12, 4, 12)
+
+
+@functools.lru_cache(maxsize=None)
+def _commit_fns():
+    from flax import nnx
+
+    from spec_helpers import tiny_pair
+    from taps_jax.engine.prefill import prefill
+
+    graphdef, params = nnx.split(tiny_pair(CV)[0].model)
+
+    @jax.jit
+    def verify_and_commit(params, prompt, lens, tree, target):
+        model = nnx.merge(graphdef, params)
+        _, _, cache = prefill(model, prompt, lens, CAP)
+        _, _, cache = model(tree.tokens_BT, positions(tree, lens), ancestor_mask(tree), cache)
+        acc = accept_walk(tree, target, max_depth=H)
+        return acc, cache.gather_commit(acc.path_BA, acc.num_accepted_B)
+
+    @jax.jit
+    def refeed(params, seq, lens):
+        return prefill(nnx.merge(graphdef, params), seq, lens, CAP)[2]
+
+    return params, jax.jit(functools.partial(draft_tree, COMMIT_CONFIG)), verify_and_commit, refeed
+
+
+@settings(PROPS, max_examples=8)
+@given(seed=seeds, p_follow=st.sampled_from([0.6, 1.0]))
+def test_commit_equals_causal_refeed(seed, p_follow):
+    params, draft, verify_and_commit, refeed = _commit_fns()
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, CT + 1, size=CB)
+    prompt = np.zeros((CB, CT), np.int32)
+    for b in range(CB):
+        prompt[b, : lens[b]] = rng.integers(0, CV, size=lens[b])
+    logits = rng.normal(size=(CB, H, CV)).astype(np.float32) * 2
+    tree, _ = jax.device_get(draft(jnp.asarray(logits), jnp.asarray(rng.integers(0, CV, size=CB))))
+    target = target_tokens(rng, tree, p_follow, CV)
+    acc, cache = jax.device_get(verify_and_commit(params, jnp.asarray(prompt), jnp.asarray(lens), tree,
+                                                  jnp.asarray(target)))
+    seqs = np.zeros((CB, CT + H + 1), np.int32)
+    want = np.zeros(CB, np.int32)
+    for b in range(CB):
+        n = int(acc.num_accepted_B[b])
+        path = tree.tokens_BT[b, acc.path_BA[b, :n]]
+        want[b] = lens[b] + n
+        seqs[b, : want[b]] = np.concatenate([prompt[b, : lens[b]], path])
+    ref = jax.device_get(refeed(params, jnp.asarray(seqs), jnp.asarray(want)))
+    np.testing.assert_array_equal(cache.lengths_B, want)
+    for b in range(CB):
+        L = want[b]
+        np.testing.assert_allclose(cache.k_LBSKH[:, b, :L], ref.k_LBSKH[:, b, :L], atol=1e-5)
+        np.testing.assert_allclose(cache.v_LBSKH[:, b, :L], ref.v_LBSKH[:, b, :L], atol=1e-5)
