@@ -34,17 +34,27 @@ Outputs under `out_dir`:
     best/<step>/          params of the best validation loss (keeps 1)
     metrics.csv           step,split,loss,lr,grad_norm,tokens_per_s,elapsed_s
     loss.png              train/val loss curves (redrawn at each eval)
+
+Faults (tests/test_train_faults.py): a run killed at any point (SIGKILL
+included) resumes from the last complete checkpoint. Orbax writes each save
+into `<step>.orbax-checkpoint-tmp` and renames it when complete, so a killed
+save is never listed as a step; the next run removes the leftover. A latest
+checkpoint that does not restore (damaged or missing files) is reported with
+a warning and the previous one is used; it is kept, and moved aside to
+`checkpoints/<step>.corrupt-<n>` when the resumed run saves again.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import math
 import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -194,28 +204,70 @@ def unflatten(template: PyTree, flat: dict[str, Any]) -> PyTree:
 
 
 class Checkpointer:
-    """Last-N train-state checkpoints plus the best-validation params, via orbax."""
+    """Last-N train-state checkpoints plus the best-validation params, via orbax.
 
-    def __init__(self, out_dir: str | Path, keep: int = 3):
+    writer=True (what `run` uses) also removes the `*.orbax-checkpoint-tmp`
+    directories that a killed save leaves behind; readers (export, resume
+    probes) leave them alone, since a training run may be writing one.
+    """
+
+    def __init__(self, out_dir: str | Path, keep: int = 3, writer: bool = False):
         out_dir = Path(out_dir).absolute()
-        opts = dict(create=True, enable_async_checkpointing=False)
+        opts = dict(create=True, enable_async_checkpointing=False, cleanup_tmp_directories=writer)
         self.latest = ocp.CheckpointManager(
             out_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=keep, **opts)
         )
         self.best = ocp.CheckpointManager(
             out_dir / "best", options=ocp.CheckpointManagerOptions(max_to_keep=1, **opts)
         )
+        self.good: set[int] = set()  # steps this object saved or restored
+        self.bad: dict[int, str] = {}  # steps that failed to restore -> the error
 
     def save(self, state: TrainState, meta: dict) -> None:
         step = int(state.step)
-        if step in self.latest.all_steps():
+        if step in self.good:  # e.g. the final checkpoint right after a periodic one
             return
-        self.latest.save(step, args=ocp.args.Composite(
+        self._move_aside_bad()
+        if step in self.latest.all_steps():
+            warnings.warn(f"{self.latest.directory / str(step)} is from an earlier run and is not overwritten; "
+                          "continue a run with --resume, or give a new run its own --out", RuntimeWarning)
+            return
+        # force: orbax otherwise skips, silently, a step below its latest one.
+        saved = self.latest.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flatten(state)), meta=ocp.args.JsonSave(meta)))
         self.latest.wait_until_finished()
+        if not saved:
+            raise RuntimeError(f"orbax did not save step {step} under {self.latest.directory}")
+        self.good.add(step)
+
+    def _move_aside_bad(self) -> None:
+        """Rename the steps that failed to restore to `<step>.corrupt-<n>` (orbax ignores those names).
+
+        They must leave the step namespace: the resumed run reaches their step
+        numbers again, and orbax neither overwrites a step nor saves below its
+        latest one. Renamed, not deleted, so nothing is lost if the failure was
+        something else (a flaky disk, a wrong template).
+        """
+        if not self.bad:
+            return
+        for step in sorted(self.bad):
+            path = Path(self.latest.directory) / str(step)
+            if path.exists():
+                n = 0
+                while path.with_name(f"{step}.corrupt-{n}").exists():
+                    n += 1
+                path.rename(path.with_name(f"{step}.corrupt-{n}"))
+                tqdm.write(f"moved the unrestorable checkpoint {path} aside to {path.name}.corrupt-{n}")
+        self.bad.clear()
+        self.latest.reload()  # orbax caches the step list
 
     def save_best(self, step: int, params: PyTree, meta: dict) -> None:
-        for old in self.best.all_steps():  # a later step may re-save an equal-step best after resume
+        # Atomic: orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, and
+        # max_to_keep=1 deletes the previous best only after that. A best at a step >= `step`
+        # can only come from a leg after the checkpoint this run resumed from: that trajectory
+        # is being recomputed, so it is deleted first (orbax neither overwrites a step nor saves
+        # below its latest one); a kill right then leaves best/ empty until it is recomputed.
+        for old in self.best.all_steps():
             if old >= step:
                 self.best.delete(old)
         self.best.save(step, args=ocp.args.Composite(
@@ -225,27 +277,66 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
 
-    def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-        step = self.latest.latest_step() if step is None else step
-        if step is None:
-            raise ValueError(f"no checkpoint to resume from under {self.latest.directory}")
+    def _restore(self, template: TrainState, step: int) -> tuple[TrainState, dict]:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, flatten(template))
         got = self.latest.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return unflatten(template, got["state"]), dict(got["meta"])
 
+    def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """The checkpoint at `step`, or else the newest one that restores.
+
+        A step that fails (files damaged or missing, e.g. after a disk fault)
+        gives a warning and the next older one is tried; it is left on disk
+        (see `_move_aside_bad`). An explicit `step` is restored or raises.
+        """
+        if step is not None:
+            return self._restore(template, step)
+        steps = sorted(self.latest.all_steps(), reverse=True)
+        if not steps:
+            raise ValueError(f"no checkpoint to resume from under {self.latest.directory}")
+        for step in steps:
+            try:
+                got = self._restore(template, step)
+            except Exception as e:  # orbax / tensorstore raise many types (ValueError, KeyError, JSONDecodeError, ...)
+                self.bad[step] = error = f"{type(e).__name__}: {_shorten(str(e))}"
+                text = (f"checkpoint {self.latest.directory / str(step)} does not restore ({error}); "
+                        f"trying the previous one. It is kept, and moved aside at the next save.")
+                tqdm.write(f"warning: {text}")
+                warnings.warn(text, RuntimeWarning, stacklevel=2)
+                continue
+            self.good.add(step)
+            return got
+        tried = "; ".join(f"step {s}: {e}" for s, e in self.bad.items())
+        raise ValueError(f"none of the {len(steps)} checkpoints under {self.latest.directory} restores ({tried}). "
+                         "If they were written for another model or optimizer config, use that config or "
+                         "another --out; otherwise start over without --resume (or delete that directory).")
+
     def restore_best(self, template_params: PyTree) -> tuple[PyTree, dict] | None:
+        """(params, meta) of the best validation; None if none was saved or it does not restore (warned)."""
         step = self.best.latest_step()
         if step is None:
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, flatten(template_params))
-        got = self.best.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        try:
+            got = self.best.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # damaged like a latest checkpoint can be; callers fall back to the latest params
+            text = (f"best checkpoint {self.best.directory / str(step)} does not restore "
+                    f"({type(e).__name__}: {_shorten(str(e))}); using the latest params instead")
+            tqdm.write(f"warning: {text}")
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
+            return None
         return unflatten(template_params, got["params"]), dict(got["meta"])
 
     def close(self) -> None:
         self.latest.close()
         self.best.close()
+
+
+def _shorten(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())  # tensorstore errors span lines and quote whole specs
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 # --------------------------------------------------------------------------- metrics log
@@ -262,13 +353,19 @@ class MetricsLog:
         self.png_path = out_dir / "loss.png"
         rows = []
         if resume_step is not None and self.csv_path.exists():
-            with self.csv_path.open() as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+            text = self.csv_path.read_text()
+            if not text.endswith("\n"):  # a kill mid-append tore the last row: drop it
+                text = text[: text.rfind("\n") + 1]
+            rows = [r for r in csv.DictReader(io.StringIO(text, newline=""))
+                    if _complete(r) and int(r["step"]) <= resume_step]
         self.rows = rows
-        with self.csv_path.open("w", newline="") as f:
+        # Rewritten whole and renamed into place: a kill here leaves the old file, not half of it.
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as f:
             w = csv.DictWriter(f, FIELDS)
             w.writeheader()
             w.writerows(rows)
+        os.replace(tmp, self.csv_path)
 
     def add(self, **row) -> None:
         row = {k: row.get(k, "") for k in FIELDS}
@@ -295,6 +392,11 @@ class MetricsLog:
         fig.savefig(tmp, dpi=100)
         plt.close(fig)
         os.replace(tmp, self.png_path)
+
+
+def _complete(row: dict) -> bool:
+    """False for a damaged row (fields missing or extra, no step): skipped on resume, not a crash."""
+    return None not in row and all(row.get(k) is not None for k in FIELDS) and row["step"].isdigit()
 
 
 # --------------------------------------------------------------------------- the loop
@@ -347,7 +449,7 @@ def run(
     out_dir = Path(out_dir)
     state = shard_state(state, mesh)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(out_dir, config.keep)
+    ckpt = Checkpointer(out_dir, config.keep, writer=True)
     best_val, best_step = math.inf, -1
     if resume and ckpt.latest_step() is not None:
         state, saved = ckpt.restore(state)
