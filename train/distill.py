@@ -571,6 +571,13 @@ def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | 
             row = {"step": step_of(), "loss": f"{m['loss']:.5f}", "acc_mean": f"{m['acc_mean']:.4f}",
                    "tau_cumprod": f"{m['tau_cumprod']:.4f}", "tau_chain": f"{m['tau_chain']:.4f}",
                    **{f"acc_{k + 1}": f"{a:.4f}" for k, a in enumerate(m["acc"])}}
+            if rows and int(rows[-1]["step"]) >= row["step"]:
+                # Steps redone after a resume fell back past a damaged checkpoint: replace their rows.
+                rows[:] = [r for r in rows if int(r["step"]) < row["step"]]
+                with csv_path.open("w", newline="") as f:
+                    w = csv.DictWriter(f, fields)
+                    w.writeheader()
+                    w.writerows(rows)
             rows.append(row)
             with csv_path.open("a", newline="") as f:
                 csv.DictWriter(f, fields).writerow(row)
