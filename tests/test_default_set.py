@@ -2,24 +2,63 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
-from taps_jax.decoder import DEFAULT_MODEL_DIR, load_model_set
+from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
 from taps_jax.prompt_file import read_prompt_file
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "target").is_dir(), reason="no embedded set in this build")
+
+@pytest.fixture(scope="module")
+def models():
+    return load_model_set(DEFAULT_MODEL_DIR)
 
 
-def test_embedded_target_loads_and_continues_code():
-    models = load_model_set(DEFAULT_MODEL_DIR)
+@pytest.fixture(scope="module")
+def prompts():
+    return [r.prompt for r in read_prompt_file(DEFAULT_MODEL_DIR / "prompts_heldout.jsonl")]
+
+
+def test_embedded_set_is_complete_and_float32_by_default(models):
     target = models.target
+    assert models.drafter is not None and models.scorer is not None
     assert target.config.family == "qwen3" and target.tokenizer is not None and target.eos_ids == (0,)
-    assert target.tokenizer.token_to_id("<|mask|>") == 2
-    out = target.generate(["def fibonacci(n):\n"], 24)
+    assert target.tokenizer.token_to_id("<|mask|>") == models.drafter.config.mask_token_id == 2
+    assert target.params["embed_tokens"]["embedding"].get_value().dtype == np.float32  # stored bf16, run f32
+    size = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.rglob("*") if f.is_file())
+    assert size <= 40 * 2**20, f"the embedded set is {size / 2**20:.1f} MiB; it must stay <= 40 MiB"
+    report = json.loads((DEFAULT_MODEL_DIR / "report.json").read_text())
+    assert {"losses", "greedy", "sampled"} <= set(report)
+
+
+def test_embedded_target_continues_code(models):
+    out = models.target.generate(["def fibonacci(n):\n"], 24)
     assert len(out.tokens[0]) >= 1 and out.finish_reasons[0] in ("eos", "length")
     assert out.texts[0].strip(), "the default target should continue code with some text"
 
 
-def test_embedded_prompt_set_parses():
-    records = read_prompt_file(DEFAULT_MODEL_DIR / "prompts_heldout.jsonl")
-    assert len(records) >= 100 and all(r.prompt.lstrip().startswith("def ") for r in records)
+def test_embedded_prompt_set_parses(prompts):
+    assert len(prompts) >= 100 and all(p.lstrip().startswith("def ") for p in prompts)
+
+
+def test_embedded_drafter_beats_one_token_per_round_losslessly(models, prompts):
+    batch = prompts[:4]
+    ar = SpeculativeDecoder(models.target, None, "ar").generate(batch, 48)
+    taps = SpeculativeDecoder(models.target, models.drafter, "taps", 16, scorer=models.scorer).generate(batch, 48)
+    assert taps.tokens == ar.tokens
+    assert taps.stats["tau"] > 2.0, "the trained drafter should accept well over one token per round"
+
+
+def test_bfloat16_is_finite_and_keeps_tau_within_10_percent(models, prompts):
+    """Issue 8: bf16 runs are finite and accept about as much as float32 (ddtree, budget 16)."""
+    bf16 = load_model_set(DEFAULT_MODEL_DIR, dtype="bfloat16")
+    ids = bf16.target.encode(prompts[:1])
+    assert np.isfinite(np.asarray(bf16.target.logits(np.asarray(ids)), np.float32)).all()
+    batch, taus = prompts[:8], {}
+    for name, m in (("float32", models), ("bfloat16", bf16)):
+        out = SpeculativeDecoder(m.target, m.drafter, "ddtree", 16).generate(batch, 64)
+        assert all(len(t) > 0 for t in out.tokens)
+        taus[name] = out.stats["tau"]
+    assert abs(taus["bfloat16"] - taus["float32"]) <= 0.1 * taus["float32"], taus
