@@ -3,7 +3,10 @@
     python -m decode.longrun --num-prompts 16 --max-new-tokens 2000 --json longrun.json
 
 Each policy decodes the prompts one at a time (a decoding job's shape). The
-first prompt is the warm-up (it compiles); after it the script records the
+prompts are taken from ONE prompt-length bucket (the most populated one), so
+every call has the same shapes: the first prompt is the warm-up (it
+compiles), and any compile after it would be a real recompilation (prompts
+of other buckets compile once per bucket, by design). After the warm-up the script records the
 process RSS and JAX's live device bytes after every prompt and the number of
 compiled programs. It reports, per policy: tokens/s, tau, memory growth
 after warm-up, compiles after warm-up, and whether every greedy output equals
@@ -25,6 +28,7 @@ from decode.bench import _int_list, _policies
 from decode.common import Parser, add_model_args, load_models, positive_int, run
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder
 from taps_jax.engine.ar import ar_generate
+from taps_jax.engine.batching import bucket
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.prompt_file import read_prompt_file
 
@@ -46,6 +50,15 @@ def live_device_mib() -> float:
 
 def compiles() -> int:
     return ar_generate._cache_size() + spec_generate._cache_size()
+
+
+def same_bucket(target, prompts: list, n: int) -> list:
+    """The first n prompts of the most populated prompt-length bucket (ties: the shorter bucket)."""
+    groups: dict[int, list] = {}
+    for prompt, ids in zip(prompts, target.encode(prompts)):
+        groups.setdefault(bucket(len(ids)), []).append(prompt)
+    best = max(sorted(groups), key=lambda b: len(groups[b]))
+    return groups[best][:n]
 
 
 def build_parser():
@@ -92,8 +105,8 @@ def main(argv=None) -> int:
     if len(args.budget) != 1:
         raise ValueError(f"--budget takes one value, got {args.budget}")
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
-    prompts = [r.prompt for r in read_prompt_file(prompts_file)][: args.num_prompts]
     models = load_models(args)
+    prompts = same_bucket(models.target, [r.prompt for r in read_prompt_file(prompts_file)], args.num_prompts)
     if any(p != "ar" for p in args.policies) and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")
     if "taps" in args.policies and models.scorer is None:

@@ -126,3 +126,17 @@ def tiny_target(tiny_target_dir):
     import taps_jax
 
     return taps_jax.load_target(tiny_target_dir)
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """Fail loudly if a call reaches a jitted program: bad input must be rejected before tracing."""
+    import taps_jax.api as api
+    import taps_jax.decoder as decoder
+
+    def traced(*args, **kwargs):
+        raise AssertionError("reached the jitted program; the input should have been rejected before tracing")
+
+    monkeypatch.setattr(decoder, "spec_generate", traced)
+    monkeypatch.setattr(api, "ar_generate", traced)
+    monkeypatch.setattr(api, "_logits", traced)

@@ -1,7 +1,7 @@
 """Issue 8, item 1: one table of bad inputs to the speculative API, the loaders and taps-decode.
 
 Every row must fail with a ValueError whose message names the bad value and
-says how to fix it, BEFORE any jitted program runs (the `no_tracing` fixture
+says how to fix it, BEFORE any jitted program runs (conftest's `no_tracing` fixture
 replaces the engine entry points with a tripwire).
 
 Target-level rejections (Target.generate / Target.logits, load_target's
@@ -24,8 +24,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 
-import taps_jax.api as api
-import taps_jax.decoder as decoder
 from decode import cli
 from spec_helpers import tiny_pair
 from taps_helpers import random_scorer
@@ -38,18 +36,6 @@ from taps_jax.tree.scorer import ScorerConfig
 
 VOCAB = 8  # tiny_pair(8): 2-layer target, drafter with block_size 8 (horizon 7)
 WORDS = ["[UNK]", "a", "b", "c", "d", "e", "f", "g"]
-
-
-@pytest.fixture
-def no_tracing(monkeypatch):
-    """Fail loudly if a call reaches a jitted program (it should be rejected first)."""
-
-    def traced(*args, **kwargs):
-        raise AssertionError("reached the jitted program; the input should have been rejected before tracing")
-
-    monkeypatch.setattr(decoder, "spec_generate", traced)
-    monkeypatch.setattr(api, "ar_generate", traced)
-    monkeypatch.setattr(api, "_logits", traced)
 
 
 @pytest.fixture(scope="module")
