@@ -114,9 +114,13 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
     """
     from decode import bench
 
+    models = [work / "target_train" / "export", work / "drafter_train" / "export", work / "scorer_train" / "scorer"]
+    newest_model = max((f.stat().st_mtime for d in models for f in d.glob("*") if f.is_file()), default=0.0)
     runs = {}
     for key, temperature, png in (("greedy", 0.0, "report.png"), ("sampled", 1.0, "report_t1.png")):
         out, plot = work / f"report_{key}.json", work / f"report_{key}.png"
+        if out.exists() and out.stat().st_mtime < newest_model:
+            out.unlink()  # a model was retrained after this run: benchmark again
         if not _done(out, f"report ({key})"):
             _check(bench.main(["--model", str(assets), "--policies", "ar,chain,ddtree,taps",
                                "--budgets", budgets, "--num-prompts", str(num_prompts),
