@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from decode.bench import _int_list, _policies
+from decode.bench import _policies
 from decode.common import Parser, add_model_args, load_models, positive_int, run
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder
 from taps_jax.engine.ar import ar_generate
@@ -73,7 +73,7 @@ def build_parser():
     p.add_argument("--num-prompts", type=positive_int, default=16)
     p.add_argument("--max-new-tokens", type=positive_int, default=2000)
     p.add_argument("--policies", type=_policies, default=["ar", "chain", "ddtree", "taps"])
-    p.add_argument("--budget", type=_int_list, default=[32], help="tree budget (one value)")
+    p.add_argument("--budget", type=positive_int, default=32, help="tree budget (default 32)")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     return p
 
@@ -109,8 +109,6 @@ def decode_all(decoder, prompts, max_new_tokens: int, desc: str) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if len(args.budget) != 1:
-        raise ValueError(f"--budget takes one value, got {args.budget}")
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
     models = load_models(args)
     prompts = same_bucket(models.target, [r.prompt for r in read_prompt_file(prompts_file)], args.num_prompts)
@@ -122,12 +120,12 @@ def main(argv=None) -> int:
     for p in args.policies:
         if p != "ar":
             extra = {"scorer": models.scorer} if p == "taps" else {}
-            decoders[p] = SpeculativeDecoder(models.target, models.drafter, p, args.budget[0], **extra)
+            decoders[p] = SpeculativeDecoder(models.target, models.drafter, p, args.budget, **extra)
 
     results = {name: decode_all(dec, prompts, args.max_new_tokens, name) for name, dec in decoders.items()}
     ar_tokens = results["ar"]["tokens"]
     ok = True
-    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, budget {args.budget[0]}, {args.dtype}")
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, budget {args.budget}, {args.dtype}")
     print(f"{'policy':<8} {'tau':>6} {'tok/s':>8} {'rss MiB':>8} {'rss +MiB':>9} {'dev +MiB':>9} "
           f"{'compiles':>9} {'same as ar':>10}")
     for name, r in results.items():
@@ -141,7 +139,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {"prompts": str(prompts_file), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                  "budget": args.budget[0], "dtype": args.dtype, "rss_slack_mib": RSS_SLACK_MIB}
+                  "budget": args.budget, "dtype": args.dtype, "rss_slack_mib": RSS_SLACK_MIB}
         args.json.write_text(json.dumps({"config": config, "results": results, "ok": ok}, indent=2))
     print("ok" if ok else "FAILED: a policy grew in memory, recompiled or differed from AR")
     return 0 if ok else 1
