@@ -52,13 +52,32 @@ def test_embedded_drafter_beats_one_token_per_round_losslessly(models, prompts):
 
 
 def test_bfloat16_is_finite_and_keeps_tau_within_10_percent(models, prompts):
-    """Issue 8: bf16 runs are finite and accept about as much as float32 (ddtree, budget 16)."""
+    """Issue 8: bf16 runs are finite and accept about as much as float32 (ddtree, budget 16).
+
+    Measured pairwise on the same text: greedy trajectories of a bf16 target
+    drift from float32 ones (different loops), so an unpaired tau on a few
+    prompts is noise (8 prompts: f32 3.68 vs bf16 4.11; 32 prompts: 3.52 vs
+    3.28). The bf16 run is split into its two parts instead: the bf16 drafter
+    drafting for the float32 target (same tokens, so tau is paired) and the
+    bf16 target's greedy choice on float32 text.
+    """
     bf16 = load_model_set(DEFAULT_MODEL_DIR, dtype="bfloat16")
-    ids = bf16.target.encode(prompts[:1])
+    batch = prompts[:8]
+    ids = bf16.target.encode(batch[:1])
     assert np.isfinite(np.asarray(bf16.target.logits(np.asarray(ids)), np.float32)).all()
-    batch, taus = prompts[:8], {}
-    for name, m in (("float32", models), ("bfloat16", bf16)):
-        out = SpeculativeDecoder(m.target, m.drafter, "ddtree", 16).generate(batch, 64)
-        assert all(len(t) > 0 for t in out.tokens)
-        taus[name] = out.stats["tau"]
-    assert abs(taus["bfloat16"] - taus["float32"]) <= 0.1 * taus["float32"], taus
+    run = SpeculativeDecoder(bf16.target, bf16.drafter, "ddtree", 16).generate(batch[:4], 32)
+    assert all(len(t) > 0 for t in run.tokens) and run.stats["tau"] > 2.0  # the whole bf16 set decodes
+
+    f32 = SpeculativeDecoder(models.target, models.drafter, "ddtree", 16).generate(batch, 64)
+    mixed = SpeculativeDecoder(models.target, bf16.drafter, "ddtree", 16).generate(batch, 64)
+    assert mixed.tokens == f32.tokens  # lossless: the float32 target decides every token
+    taus = {"float32": f32.stats["tau"], "bfloat16 drafter": mixed.stats["tau"]}
+    assert abs(taus["bfloat16 drafter"] - taus["float32"]) <= 0.1 * taus["float32"], taus
+
+    agree = total = 0
+    for prompt_ids, new in zip(models.target.encode(batch), f32.tokens):
+        seq = np.asarray([list(prompt_ids) + list(new)])
+        want = np.asarray(models.target.logits(seq), np.float32).argmax(-1)
+        got = np.asarray(bf16.target.logits(seq), np.float32).argmax(-1)
+        agree, total = agree + int((want == got).sum()), total + want.size
+    assert agree / total >= 0.97, f"bf16 target picks the float32 argmax at only {agree / total:.1%} of positions"

@@ -36,3 +36,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("skipped") == 8
     assert (assets / "report.png").exists() and (assets / "report.json").exists()
+    target_loss = report["losses"]["target"]
+    (work / "target_train" / "metrics.csv").unlink()  # say the target was restored, not retrained
+    assert recipe.main(argv + ["--stages", "report"]) == 0
+    assert json.loads((assets / "report.json").read_text())["losses"]["target"] == target_loss

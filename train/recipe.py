@@ -135,6 +135,12 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
         "scorer": (json.loads((work / "scorer_train" / "summary.json").read_text())
                    if (work / "scorer_train" / "summary.json").exists() else None),
     }
+    # A stage whose logs are gone (say the target was restored from the shipped
+    # set instead of retrained) keeps the losses of the last report.
+    kept = work / "report_losses.json"
+    previous = json.loads(kept.read_text()) if kept.exists() else {}
+    losses = {k: v if v is not None else previous.get(k) for k, v in losses.items()}
+    kept.write_text(json.dumps(losses, indent=2))
     (assets / "report.json").write_text(json.dumps({"losses": losses, **runs}, indent=2))
     print(f"[recipe] report: {assets / 'report.json'}", flush=True)
 
