@@ -16,6 +16,10 @@ Splitting by file (not by line or window) means no training window ever
 contains text from a heldout file. Near-duplicates across files
 (e.g. `lib2to3/tests/data/*` vs `lib2to3/*`) can still cross splits.
 
+Another tree of Python code can stand in for the stdlib: set
+TAPS_CORPUS_ROOT=DIR (or pass `--corpus DIR` to `python -m train.recipe`); the
+same hash splits its files.
+
 Files that are not valid UTF-8 (a few deliberately mis-encoded test inputs)
 are skipped and counted, never decoded with replacement characters.
 
@@ -30,6 +34,7 @@ import ast
 import dataclasses
 import hashlib
 import json
+import os
 import random
 import re
 import sysconfig
@@ -69,7 +74,18 @@ class SourceFile:
             return None
 
 
+CORPUS_ROOT_ENV = "TAPS_CORPUS_ROOT"
+
+
 def stdlib_root() -> Path:
+    """The corpus root: $TAPS_CORPUS_ROOT when set (any tree of .py files), else this interpreter's stdlib."""
+    override = os.environ.get(CORPUS_ROOT_ENV)
+    if override:
+        root = Path(override)
+        if not root.is_dir():
+            raise ValueError(f"{CORPUS_ROOT_ENV}={override!r} is not a directory; point it at a tree of .py files "
+                             f"or unset it to use the standard library")
+        return root
     return Path(sysconfig.get_paths()["stdlib"])
 
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+
+from train import corpus
 
 STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assemble", "report")
 
@@ -52,7 +55,7 @@ def run_stage(name: str, args) -> None:
             train_tokenizer(tok_dir, vocab_size=args.vocab_size, max_bytes=args.tokenizer_bytes)
     elif name == "data":
         if not _done(work / "prompts_train.jsonl", name):
-            from train import corpus, packing
+            from train import packing
             packing.main(["--tokenizer", str(tok_dir), "--cache-dir", str(tokens)])
             corpus.write_prompts_jsonl(work / "prompts_heldout.jsonl", corpus.build_prompts("heldout", n=args.heldout_prompts))
             corpus.write_prompts_jsonl(work / "prompts_train.jsonl", corpus.build_prompts("train", n=args.trace_prompts))
@@ -125,7 +128,9 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
             _check(bench.main(["--model", str(assets), "--policies", "ar,chain,ddtree,taps",
                                "--budgets", budgets, "--num-prompts", str(num_prompts),
                                "--max-new-tokens", str(tokens), "--temperature", str(temperature),
-                               "--json", str(out), "--plot", str(plot)]), "report")
+                               "--json", str(out), "--plot", str(plot),
+                               # per-stage ms are reported for greedy decoding only
+                               *(["--no-stages"] if temperature else [])]), "report")
         runs[key] = json.loads(out.read_text())
         shutil.copy(plot, assets / png)  # assemble rebuilds ASSETS, so the runs live in WORK
     losses = {
@@ -172,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--assets", type=Path, default=Path("taps_jax/assets/default"), help="where the set is assembled")
     p.add_argument("--preset", default="default", help="configs/{target,drafter}_<preset>.json")
     p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="train on the .py files under this directory instead of the standard library")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer-bytes", type=int, default=None, help="train the tokenizer on this many bytes only")
     p.add_argument("--heldout-prompts", type=int, default=200)
@@ -187,10 +194,23 @@ def main(argv=None) -> int:
     if unknown:
         print(f"{p.prog}: error: unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    if args.corpus is not None and not args.corpus.is_dir():
+        print(f"{p.prog}: error: --corpus {args.corpus} is not a directory; give a tree of .py files", file=sys.stderr)
+        return 2
     args.work.mkdir(parents=True, exist_ok=True)
-    for name in STAGES:
-        if name in stages:
-            run_stage(name, args)
+    previous = os.environ.get(corpus.CORPUS_ROOT_ENV)
+    if args.corpus is not None:
+        os.environ[corpus.CORPUS_ROOT_ENV] = str(args.corpus.resolve())  # every stage reads the corpus from here
+    try:
+        for name in STAGES:
+            if name in stages:
+                run_stage(name, args)
+    finally:
+        if args.corpus is not None:  # leave the caller's environment as it was
+            if previous is None:
+                os.environ.pop(corpus.CORPUS_ROOT_ENV, None)
+            else:
+                os.environ[corpus.CORPUS_ROOT_ENV] = previous
     (args.work / "recipe.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}, indent=2))
     return 0
 
