@@ -8,6 +8,8 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 from taps_jax.decoder import SpeculativeDecoder, load_model_set
 from train import corpus, recipe
 
@@ -61,3 +63,18 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     (work / "target_train" / "metrics.csv").unlink()  # say the target was restored, not retrained
     assert recipe.main(argv + ["--stages", "report"]) == 0
     assert json.loads((assets / "report.json").read_text())["losses"]["target"] == target_loss
+
+
+def test_recipe_refuses_a_missing_corpus_before_any_stage(tmp_path, capsys):
+    assert recipe.main(["--work", str(tmp_path / "work"), "--corpus", str(tmp_path / "nowhere")]) == 2
+    assert "--corpus" in capsys.readouterr().err and not (tmp_path / "work").exists()
+
+
+def test_corpus_root_from_the_environment(tmp_path, monkeypatch):
+    root = small_corpus(tmp_path / "corpus")
+    monkeypatch.setenv(corpus.CORPUS_ROOT_ENV, str(root))
+    counts = {s: len(corpus.files_of(s)) for s in corpus.SPLITS}
+    assert counts == {"train": 138, "validation": 5, "heldout": 2}, counts
+    monkeypatch.setenv(corpus.CORPUS_ROOT_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="is not a directory"):
+        corpus.stdlib_root()
