@@ -133,9 +133,9 @@ def tiny_target(tiny_target_dir):
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module.
 
-    XLA:CPU maps every compiled program's code into memory; over the whole
-    suite one process collects ~60,000 mappings and hits the kernel's
-    vm.max_map_count (65,530), after which the next compile segfaults. Clearing
+    XLA:CPU maps every compiled program's code into memory; one process
+    running the whole suite reached the kernel's vm.max_map_count (65,530
+    mappings) and the next compile segfaulted (CI, exit 139). Clearing
     the caches once a module's fixtures are gone unmaps them (measured: 4,622
     mappings -> 631 after tests/test_generation_edges.py).
     """
