@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -87,6 +88,23 @@ def stdlib_root() -> Path:
                              f"or unset it to use the standard library")
         return root
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+@contextlib.contextmanager
+def root_override(root: Path | None) -> Iterator[None]:
+    """Inside the block the corpus is the .py tree under `root` (None: unchanged); the environment is restored."""
+    if root is None:
+        yield
+        return
+    previous = os.environ.get(CORPUS_ROOT_ENV)
+    os.environ[CORPUS_ROOT_ENV] = str(Path(root).resolve())
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(CORPUS_ROOT_ENV, None)
+        else:
+            os.environ[CORPUS_ROOT_ENV] = previous
 
 
 def list_stdlib_files(root: Path | None = None) -> list[SourceFile]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -198,19 +197,10 @@ def main(argv=None) -> int:
         print(f"{p.prog}: error: --corpus {args.corpus} is not a directory; give a tree of .py files", file=sys.stderr)
         return 2
     args.work.mkdir(parents=True, exist_ok=True)
-    previous = os.environ.get(corpus.CORPUS_ROOT_ENV)
-    if args.corpus is not None:
-        os.environ[corpus.CORPUS_ROOT_ENV] = str(args.corpus.resolve())  # every stage reads the corpus from here
-    try:
+    with corpus.root_override(args.corpus):  # every stage reads the corpus from there
         for name in STAGES:
             if name in stages:
                 run_stage(name, args)
-    finally:
-        if args.corpus is not None:  # leave the caller's environment as it was
-            if previous is None:
-                os.environ.pop(corpus.CORPUS_ROOT_ENV, None)
-            else:
-                os.environ[corpus.CORPUS_ROOT_ENV] = previous
     (args.work / "recipe.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}, indent=2))
     return 0
 
