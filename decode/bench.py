@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
 from decode.repetition import REPEAT_NGRAM, repetition_stats
-from decode.stages import stage_times_ms
+from decode.stages import stage_times_ms, verify_cost_ms
 from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing pass")
+    p.add_argument("--cost-curve", action="store_true",
+                   help="also time one target forward over T = 1, 2, 4, ... up to the largest tree and print "
+                        "its cost relative to T = 1 (one AR step's forward): what this hardware charges per tree node")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of tau and speedup vs budget here")
     return p
@@ -133,6 +136,8 @@ def main(argv=None) -> int:
             "tau": accepted / max(rounds, 1),
             "tokens_per_s": n / seconds,
             "speedup_vs_ar": (n / seconds) / report["ar"]["tokens_per_s"],
+            # tau that would give 2x at this measured cost per round: 2 * tau / speedup
+            "tau_for_2x": 2 * (accepted / max(rounds, 1)) / ((n / seconds) / report["ar"]["tokens_per_s"]),
             "lossless": bool(greedy and toks == ar_tokens),
             "lossless_check": "token-identical to AR on every prompt" if greedy else
                 "not token-comparable at temperature > 0 (different random streams); "
@@ -145,6 +150,12 @@ def main(argv=None) -> int:
         for stage in ("draft", "select", "verify"):
             row[f"{stage}_ms_per_round"] = stages.get(stage, float("nan"))
         report["results"].append(row)
+    if args.cost_curve:
+        tree_sizes = {d.tree.tree_size(d.horizon) for d in decoders.values()} or {1}
+        sizes = sorted({1, *tree_sizes, *(2 ** i for i in range(max(tree_sizes).bit_length()))})
+        ms = verify_cost_ms(models.target, sizes)
+        report["verify_cost"] = {"context": 128, "tree_tokens": sizes, "ms": [ms[t] for t in sizes],
+                                 "ratio_to_one_token": [ms[t] / ms[1] for t in sizes]}
     _print_table(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -162,14 +173,20 @@ def _decoder(models, policy, budget):
 def _print_table(report) -> None:
     ar = report["ar"]
     print(f"{'policy':<8} {'budget':>6} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'lossless':>8} "
-          f"{'draft':>7} {'select':>7} {'verify':>7} {'tau_novel':>9} {'copy%':>6}")
+          f"{'draft':>7} {'select':>7} {'verify':>7} {'tau_novel':>9} {'copy%':>6} {'tau for 2x':>10}")
     print(f"{'ar':<8} {'-':>6} {1.0:>6.2f} {ar['tokens_per_s']:>8.1f} {1.0:>8.2f} {'-':>8} {'':>7} {'':>7} {'':>7} "
           f"{'':>9} {100 * ar['repeat_token_fraction']:>6.1f}")
     for r in report["results"]:
         print(f"{r['policy']:<8} {r['budget']:>6} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} "
               f"{r['speedup_vs_ar']:>8.2f} {str(r['lossless']):>8} {r['draft_ms_per_round']:>7.2f} "
               f"{r['select_ms_per_round']:>7.2f} {r['verify_ms_per_round']:>7.2f} "
-              f"{r['tau_novel_rounds']:>9.2f} {100 * r['copy_accepted_fraction']:>6.1f}")
+              f"{r['tau_novel_rounds']:>9.2f} {100 * r['copy_accepted_fraction']:>6.1f} {r['tau_for_2x']:>10.2f}")
+    print(f"tau for 2x: the tau that would double AR's tokens/s at the measured cost per round.")
+    cost = report.get("verify_cost")
+    if cost:
+        print(f"target forward over T tree tokens ({cost['context']} cached), batch 1:")
+        for t, ms, ratio in zip(cost["tree_tokens"], cost["ms"], cost["ratio_to_one_token"]):
+            print(f"  T={t:<4} {ms:8.2f} ms  x{ratio:5.2f} of T=1")
     print(f"draft/select/verify: ms per round. copy%: for ar, the share of generated tokens that repeat an "
           f"earlier {REPEAT_NGRAM}-gram; for a policy, the share of accepted tokens from rounds that only "
           f"repeated text. tau_novel: tau over the other rounds.")

@@ -8,12 +8,16 @@ then timed over several repetitions (median).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from taps_jax.engine.stages import Stages
+from taps_jax.models.cache import KVCache
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -36,3 +40,27 @@ def stage_times_ms(decoder, prompts, max_new_tokens: int, reps: int = 10) -> dic
         "select": _median_ms(lambda: stages.select(draft, hidden), reps),
         "verify": _median_ms(lambda: stages.verify(dcache, tree), reps),
     }
+
+
+def verify_cost_ms(target, tree_sizes, context: int = 128, reps: int = 10) -> dict[int, float]:
+    """{T: median ms of one target forward over T tree tokens}, batch 1.
+
+    The forward verification runs (embedding, every layer against `context`
+    committed cache slots, logits at every node); T = 1 is exactly one AR
+    step's forward. With r = cost(T) / cost(1), a policy that accepts tau
+    tokens per round with a T-token tree runs at most about tau / r times
+    as fast as AR (less: drafting and selection cost extra).
+    """
+    @functools.partial(jax.jit, static_argnames=("graphdef",))
+    def forward(graphdef, params, cache, tokens_1T):
+        T = tokens_1T.shape[1]
+        positions_1T = cache.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        causal_1TT = jnp.tril(jnp.ones((T, T), bool))[None]  # any mask costs the same
+        return nnx.merge(graphdef, params)(tokens_1T, positions_1T, causal_1TT, cache)[0]
+
+    config = target.config
+    cache = KVCache.zeros(config, 1, context + max(tree_sizes))
+    cache = cache.replace(lengths_B=jnp.full((1,), context, jnp.int32))
+    return {T: _median_ms(lambda T=T: forward(target.graphdef, target.params, cache,
+                                              jnp.ones((1, T), jnp.int32)), reps)
+            for T in tree_sizes}

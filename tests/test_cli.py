@@ -58,7 +58,7 @@ def test_bench_writes_json_and_plot(model_dir, tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     assert bench.main(["--model", str(model_dir), "--prompts", str(model_dir / "prompts.jsonl"),
                        "--policies", "ar,chain,ddtree", "--budgets", "4", "--max-new-tokens", "6",
-                       "--batch-size", "2", "--json", str(out_json), "--plot", str(out_png)]) == 0
+                       "--batch-size", "2", "--cost-curve", "--json", str(out_json), "--plot", str(out_png)]) == 0
     report = json.loads(out_json.read_text())
     assert set(report) >= {"config", "ar", "results"}
     assert report["ar"]["tokens"] == 18 and report["ar"]["tokens_per_s"] > 0
@@ -72,6 +72,10 @@ def test_bench_writes_json_and_plot(model_dir, tmp_path):
         assert row["lossless"] is True
         assert row["tau"] >= 1 and row["rounds"] > 0
         assert all(row[f"{s}_ms_per_round"] > 0 for s in ("draft", "select", "verify"))
+        assert row["tau_for_2x"] == pytest.approx(2 * row["tau"] / row["speedup_vs_ar"])
+    cost = report["verify_cost"]  # T = 1, powers of two, and every policy's tree size (1 + budget 4)
+    assert cost["tree_tokens"] == [1, 2, 4, 5] and all(ms > 0 for ms in cost["ms"])
+    assert cost["ratio_to_one_token"][0] == 1.0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
