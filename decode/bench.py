@@ -151,7 +151,7 @@ def main(argv=None) -> int:
             row[f"{stage}_ms_per_round"] = stages.get(stage, float("nan"))
         report["results"].append(row)
     if args.cost_curve:
-        tree_sizes = {d.tree.tree_size(d.horizon) for d in decoders.values()} or {1}
+        tree_sizes = {d.tree.tree_size(d.horizon) for d in decoders.values()} or {1 + b for b in args.budgets}
         sizes = sorted({1, *tree_sizes, *(2 ** i for i in range(max(tree_sizes).bit_length()))})
         ms = verify_cost_ms(models.target, sizes)
         report["verify_cost"] = {"context": 128, "tree_tokens": sizes, "ms": [ms[t] for t in sizes],

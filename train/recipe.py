@@ -128,8 +128,8 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
                                "--budgets", budgets, "--num-prompts", str(num_prompts),
                                "--max-new-tokens", str(tokens), "--temperature", str(temperature),
                                "--json", str(out), "--plot", str(plot),
-                               # per-stage ms are reported for greedy decoding only
-                               *(["--no-stages"] if temperature else [])]), "report")
+                               # per-stage ms and the verify cost curve: greedy run only
+                               *(["--no-stages"] if temperature else ["--cost-curve"])]), "report")
         runs[key] = json.loads(out.read_text())
         shutil.copy(plot, assets / png)  # assemble rebuilds ASSETS, so the runs live in WORK
     losses = {
