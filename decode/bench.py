@@ -181,7 +181,7 @@ def _print_table(report) -> None:
               f"{r['speedup_vs_ar']:>8.2f} {str(r['lossless']):>8} {r['draft_ms_per_round']:>7.2f} "
               f"{r['select_ms_per_round']:>7.2f} {r['verify_ms_per_round']:>7.2f} "
               f"{r['tau_novel_rounds']:>9.2f} {100 * r['copy_accepted_fraction']:>6.1f} {r['tau_for_2x']:>10.2f}")
-    print(f"tau for 2x: the tau that would double AR's tokens/s at the measured cost per round.")
+    print("tau for 2x: the tau that would double AR's tokens/s at the measured cost per round.")
     cost = report.get("verify_cost")
     if cost:
         print(f"target forward over T tree tokens ({cost['context']} cached), batch 1:")
