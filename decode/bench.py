@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
 from decode.repetition import REPEAT_NGRAM, repetition_stats
-from decode.stages import stage_times_ms, verify_cost_ms
+from decode.stages import VERIFY_COST_CONTEXT, stage_times_ms, verify_cost_ms
 from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         tree_sizes = {d.tree.tree_size(d.horizon) for d in decoders.values()} or {1 + b for b in args.budgets}
         sizes = sorted({1, *tree_sizes, *(2 ** i for i in range(max(tree_sizes).bit_length()))})
         ms = verify_cost_ms(models.target, sizes)
-        report["verify_cost"] = {"context": 128, "tree_tokens": sizes, "ms": [ms[t] for t in sizes],
+        report["verify_cost"] = {"context": VERIFY_COST_CONTEXT, "tree_tokens": sizes, "ms": [ms[t] for t in sizes],
                                  "ratio_to_one_token": [ms[t] / ms[1] for t in sizes]}
     _print_table(report)
     if args.json:

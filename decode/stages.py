@@ -42,7 +42,10 @@ def stage_times_ms(decoder, prompts, max_new_tokens: int, reps: int = 10) -> dic
     }
 
 
-def verify_cost_ms(target, tree_sizes, context: int = 128, reps: int = 10) -> dict[int, float]:
+VERIFY_COST_CONTEXT = 128  # committed tokens the cost curve attends over
+
+
+def verify_cost_ms(target, tree_sizes, context: int = VERIFY_COST_CONTEXT, reps: int = 10) -> dict[int, float]:
     """{T: median ms of one target forward over T tree tokens}, batch 1.
 
     The forward verification runs (embedding, every layer against `context`
