@@ -101,11 +101,11 @@ def main(argv=None) -> int:
     spec_policies = [p for p in args.policies if p != "ar"]
     if spec_policies and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")
-    if "taps" in spec_policies and models.scorer is None:
+    if "taps" in spec_policies and models.scorer_for(args.temperature) is None:
         raise ValueError("policy taps needs a scorer: pass --scorer DIR (train one with python -m train.scorer) or drop taps")
     # Check every configuration before any long work starts.
     configs = [(p, b) for p in spec_policies for b in args.budgets]
-    decoders = {(p, b): _decoder(models, p, b) for p, b in configs}
+    decoders = {(p, b): _decoder(models, p, b, args.temperature) for p, b in configs}
     batches = _batches(prompts, args.batch_size)
     greedy = args.temperature == 0
 
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _decoder(models, policy, budget):
-    extra = {"scorer": models.scorer} if policy == "taps" else {}
+def _decoder(models, policy, budget, temperature):
+    extra = {"scorer": models.scorer_for(temperature)} if policy == "taps" else {}
     return SpeculativeDecoder(models.target, models.drafter, policy, budget, **extra)
 
 

@@ -60,13 +60,14 @@ def main(argv=None) -> int:
     models = load_models(args, mesh)
     if args.prompt is not None and models.target.tokenizer is None:
         raise ValueError("the target has no tokenizer.json, so text prompts cannot be encoded")
-    if args.policy == "taps" and models.scorer is None:
+    scorer = models.scorer_for(args.temperature)
+    if args.policy == "taps" and scorer is None:
         raise ValueError("--policy taps needs a scorer: pass --scorer DIR or a --model dir with scorer/ "
                          "(train one with python -m train.scorer), or use --policy ddtree")
     if args.policy != "ar" and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/, or use --policy ar")
     decoder = SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,
-                                 **({"scorer": models.scorer} if args.policy == "taps" else {}))
+                                 **({"scorer": scorer} if args.policy == "taps" else {}))
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.prompts is not None:
         from decode.jobs import run_job

@@ -24,7 +24,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help=f"model directory with target/, drafter/ (and scorer/); default: the embedded set ({DEFAULT_MODEL_DIR})")
     g.add_argument("--target", type=Path, help="target checkpoint dir (Hugging Face layout); overrides --model's")
     g.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint dir; overrides --model's")
-    g.add_argument("--scorer", type=Path, help="TAPS scorer dir (for --policy taps); overrides --model's scorer/")
+    g.add_argument("--scorer", type=Path,
+                   help="TAPS scorer dir (for --policy taps) used at every temperature; overrides --model's scorer/ "
+                        "and scorer_greedy/ (by default a set's scorer_greedy/ serves temperature 0, its scorer/ "
+                        "the rest)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter/activation dtype (default float32)")
 
@@ -50,10 +53,12 @@ def load_models(args, mesh=None) -> ModelSet:
     if target_dir is None:
         raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
     drafter_dir, scorer_dir = part(args.drafter, "drafter"), part(args.scorer, "scorer")
+    greedy_dir = part(None, "scorer_greedy")
     return ModelSet(
         load_target(target_dir, args.dtype, mesh),
         load_drafter(drafter_dir, args.dtype, mesh) if drafter_dir else None,
         load_scorer(scorer_dir) if scorer_dir else None,
+        load_scorer(greedy_dir) if greedy_dir and args.scorer is None else None,
     )
 
 

@@ -114,12 +114,13 @@ def main(argv=None) -> int:
     prompts = same_bucket(models.target, [r.prompt for r in read_prompt_file(prompts_file)], args.num_prompts)
     if any(p != "ar" for p in args.policies) and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")
-    if "taps" in args.policies and models.scorer is None:
+    scorer = models.scorer_for(0.0)  # greedy decoding
+    if "taps" in args.policies and scorer is None:
         raise ValueError("policy taps needs a scorer: pass --scorer DIR or drop taps from --policies")
     decoders = {"ar": SpeculativeDecoder(models.target, None, "ar")}
     for p in args.policies:
         if p != "ar":
-            extra = {"scorer": models.scorer} if p == "taps" else {}
+            extra = {"scorer": scorer} if p == "taps" else {}
             decoders[p] = SpeculativeDecoder(models.target, models.drafter, p, args.budget, **extra)
 
     results = {name: decode_all(dec, prompts, args.max_new_tokens, name) for name, dec in decoders.items()}

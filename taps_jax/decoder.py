@@ -193,15 +193,27 @@ class SpeculativeDecoder:
 
 @dataclasses.dataclass
 class ModelSet:
-    """What one model directory bundles: target/, drafter/ and optionally scorer/."""
+    """What one model directory bundles: target/, drafter/ and optionally scorer/ and scorer_greedy/.
+
+    scorer: TAPS scorer fitted to the target's temperature-1 probabilities
+    (what sampled verification accepts); greedy_scorer: one fitted to whether
+    a token is the target's argmax (what greedy verification accepts).
+    """
 
     target: Target
     drafter: DrafterModel | None = None
     scorer: ScorerModel | None = None
+    greedy_scorer: ScorerModel | None = None
+
+    def scorer_for(self, temperature: float) -> ScorerModel | None:
+        """The scorer fitted to this temperature's acceptance rule (scorer_greedy/ at 0 when present)."""
+        if temperature == 0 and self.greedy_scorer is not None:
+            return self.greedy_scorer
+        return self.scorer
 
 
 def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
-    """Load a model directory bundling target/, drafter/ (and scorer/ when present).
+    """Load a model directory bundling target/, drafter/ (and scorer/, scorer_greedy/ when present).
 
     mesh: load target and drafter sharded onto it (see `load_target`).
     """
@@ -212,13 +224,14 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
         raise ValueError(f"{path}: no target/ subdirectory; a model set holds target/ and drafter/")
     target = load_target(path / "target", dtype, mesh)
     drafter = load_drafter(path / "drafter", dtype, mesh) if (path / "drafter").is_dir() else None
-    scorer = load_scorer(path / "scorer") if (path / "scorer").is_dir() else None
+    scorers = [load_scorer(path / name) if (path / name).is_dir() else None for name in ("scorer", "scorer_greedy")]
     # The parts ship together, so a mismatch is a broken set: say so at load, not at decode.
     try:
         if drafter is not None:
             drafter.config.check_target(target.config)
-            if scorer is not None:
-                scorer.check_models(target.config, drafter.config)
+            for scorer in scorers:
+                if scorer is not None:
+                    scorer.check_models(target.config, drafter.config)
     except ValueError as e:
         raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
-    return ModelSet(target, drafter, scorer)
+    return ModelSet(target, drafter, *scorers)

@@ -36,10 +36,15 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     assert recipe.main(argv) == 0
     assert corpus.CORPUS_ROOT_ENV not in os.environ  # the recipe restores the environment
     small = "".join(f.read_text(errors="replace") for f in (tmp_path / "corpus").rglob("*.py"))
-    defs = [json.loads(line)["prompt"].splitlines()[0].strip() for line in (work / "prompts_train.jsonl").open()]
+    traced = [json.loads(line)["prompt"] for line in (work / "prompts_traces.jsonl").open()]
+    defs = [p.splitlines()[0].strip() for p in traced]
     assert defs and all(d in small for d in defs)  # the prompts come from --corpus, not the whole stdlib
+    # The scorer's traces come from prompts the drafter was not distilled on.
+    distilled = {p["prompt"] for p in corpus.build_prompts("train", n=16, seed=0)}  # configs/drafter_tiny.json
+    assert distilled and not distilled & set(traced)
     models = load_model_set(assets)
-    assert models.drafter is not None and models.scorer is not None
+    assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
+    assert models.scorer.training["labels"] == "sampled" and models.greedy_scorer.training["labels"] == "greedy"
     assert json.loads((assets / "target" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert models.target.params["embed_tokens"]["embedding"].get_value().dtype == "float32"
     ar = SpeculativeDecoder(models.target, None, "ar").generate(["def f(x):"], 8)
@@ -49,6 +54,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
         assert dec.generate(["def f(x):"], 8).tokens == ar.tokens
     report = json.loads((assets / "report.json").read_text())
     assert report["losses"]["target"]["val_loss"] > 0 and report["losses"]["scorer"]["val_loss"] > 0
+    assert report["losses"]["scorer_greedy"]["val_loss"] > 0
     assert report["losses"]["drafter_val_agreement"]["acc_1"] >= 0
     assert [r["policy"] for r in report["greedy"]["results"]] == ["chain", "ddtree", "taps"]
     assert all(r["lossless"] for r in report["greedy"]["results"])
@@ -57,7 +63,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     capsys.readouterr()
     assert recipe.main(argv) == 0  # everything done: every stage is skipped
     out = capsys.readouterr().out
-    assert out.count("skipped") == 8
+    assert out.count("skipped") == 9  # 8 stages, 2 scorers
     assert (assets / "report.png").exists() and (assets / "report.json").exists()
     target_loss = report["losses"]["target"]
     (work / "target_train" / "metrics.csv").unlink()  # say the target was restored, not retrained

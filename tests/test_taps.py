@@ -13,6 +13,7 @@ import pytest
 from spec_helpers import tiny_pair
 from taps_helpers import path_tokens, random_scorer, sharp_pair
 from taps_jax import load_scorer
+from taps_jax.checkpoints.scorer import ScorerModel
 from taps_jax.decoder import SpeculativeDecoder, load_model_set
 from taps_jax.tree.lattice import build_lattice
 from taps_jax.tree.policies import TreeConfig, draft_tree
@@ -172,6 +173,31 @@ def test_taps_tree_is_prefix_closed():
         assert not np.allclose(np.asarray(aux.log_reach_BN), np.asarray(aux.pool.cum_logprob_BN))
 
 
+def test_untrained_residual_scorer_is_the_drafters_conditional():
+    """A residual scorer starts at the drafter's marginal, so TAPS starts at DDTree's tree."""
+    target, drafter = tiny_pair(VOCAB)
+    scorer = ScorerModel.for_models(target.config, drafter.config, seed=3, token_dim=8, hidden_dim=8, depth_dim=4,
+                                    mlp_dim=16, residual=True)
+    B, H = 3, drafter.config.block_size - 1
+    logits = jax.random.normal(jax.random.key(5), (B, H, VOCAB)) * 2.0
+    hidden = jax.random.normal(jax.random.key(6), (B, H, drafter.config.hidden_size))
+    root = jnp.array([1, 2, 3], jnp.int32)
+    embed = target.model.embed_tokens.embedding.get_value()
+
+    @jax.jit
+    def run(logits, hidden, embed, root):
+        fn = taps_log_qcond_fn(scorer.module, hidden, embed, root)
+        return (draft_tree(TreeConfig("taps", 12, 6, 12), logits, root, fn),
+                draft_tree(TreeConfig("ddtree", 12, 6, 12), logits, root))
+
+    (taps, taps_aux), (dd, dd_aux) = run(logits, hidden, embed, root)
+    valid = np.asarray(taps_aux.pool.valid_BN)
+    np.testing.assert_allclose(np.asarray(taps_aux.log_reach_BN)[valid], np.asarray(dd_aux.log_reach_BN)[valid],
+                               atol=1e-5)
+    for field in ("tokens_BT", "parents_BT", "valid_BT"):
+        np.testing.assert_array_equal(np.asarray(getattr(taps, field)), np.asarray(getattr(dd, field)))
+
+
 # ------------------------------------------------------------------ oracle
 
 
@@ -270,6 +296,23 @@ def test_scorer_roundtrip_and_model_set(tmp_path):
     assert loaded.config == scorer.config
     models = load_model_set(tmp_path / "set")
     assert models.scorer is not None and models.scorer.config == scorer.config
+    assert models.greedy_scorer is None and models.scorer_for(0.0) is models.scorer
+    # A set with scorer_greedy/ uses it at temperature 0 and scorer/ otherwise.
+    greedy = random_scorer(target, drafter, seed=12)
+    greedy.save(tmp_path / "set" / "scorer_greedy")
+    models = load_model_set(tmp_path / "set")
+    assert models.scorer_for(0.0) is models.greedy_scorer and models.scorer_for(0.7) is models.scorer
+    assert models.greedy_scorer.config == greedy.config
+    from decode.common import Parser, add_model_args, load_models
+
+    parser = Parser()
+    add_model_args(parser)
+    from_set = load_models(parser.parse_args(["--model", str(tmp_path / "set")]))
+    assert from_set.greedy_scorer is not None and from_set.scorer is not None
+    # --scorer DIR is one scorer for every temperature.
+    explicit = load_models(parser.parse_args(["--model", str(tmp_path / "set"), "--scorer",
+                                              str(tmp_path / "set" / "scorer_greedy")]))
+    assert explicit.greedy_scorer is None and explicit.scorer_for(0.0) is explicit.scorer
     lattice, pool = _random_pool(vocab=VOCAB, horizon=drafter.config.block_size - 1)
     inputs = ScorerInputs.from_round(lattice, pool, jnp.ones((2, pool.horizon, 32)), jnp.array([1, 2]))
     embed = target.model.embed_tokens.embedding.get_value()

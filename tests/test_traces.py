@@ -113,6 +113,44 @@ def test_training_lowers_the_loss_and_exports_a_scorer(setup, capsys):
     assert dec.generate(PROMPTS[:2], 8).tokens == target.generate(PROMPTS[:2], 8).tokens
 
 
+def test_greedy_labels_mark_the_paths_greedy_verification_accepts(setup):
+    root, _, _ = setup
+    _, tr = traces_mod.load_traces(root / "tr")
+    got = train_scorer_mod.greedy_labels(tr)
+    for r in range(len(tr["token"])):
+        parent, token = tr["parent"][r], tr["token"][r]
+        hit = np.array([token[n] == tr["target_argmax"][r, parent[n] + 1] for n in range(12)], np.float32)
+        np.testing.assert_array_equal(got["p_star"][r], hit)
+        reach = [np.prod([hit[m] for m in _ancestry(parent, n)]) for n in range(12)]
+        np.testing.assert_array_equal(got["reach_star"][r], reach)
+        for slot in range(13):
+            kids = [n for n in range(12) if parent[n] + 1 == slot]
+            assert got["p_other"][r, slot] == 1 - hit[kids].sum()
+    # A child holding more than half of the target's mass is its argmax.
+    sure = tr["p_star"] > 0.5
+    assert sure.any() and (got["p_star"][sure] == 1).all()
+
+
+def test_greedy_label_training_lowers_the_loss_and_is_recorded(setup):
+    root, target, drafter = setup
+    out = root / "train_greedy"
+    rc = train_scorer_mod.main(["--traces", str(root / "tr"), "--target", str(root / "target"), "--out", str(out),
+                                "--steps", "40", "--batch-size", "8", "--eval-every", "20", "--val-fraction", "0.34",
+                                "--labels", "greedy"])
+    assert rc == 0
+    losses = _train_losses(out)
+    assert losses[max(losses)] < 0.7 * losses[min(losses)], losses
+    scorer = load_scorer(out / "scorer")
+    assert scorer.training["labels"] == "greedy"
+    dec = SpeculativeDecoder(target, drafter, "taps", 4, scorer=scorer)
+    assert dec.generate(PROMPTS[:2], 8).tokens == target.generate(PROMPTS[:2], 8).tokens
+    # Resuming these checkpoints with the other labels would mix two objectives.
+    with pytest.raises(ValueError, match="labels"):
+        train_scorer_mod.train_scorer(root / "tr", root / "target", out,
+                                      train_scorer_mod.ScorerTrainConfig(steps=50, batch_size=8), resume=True,
+                                      progress=False)
+
+
 def test_validation_split_is_by_prompt():
     prompt_id = np.repeat(np.arange(10), 3)
     train, val = train_scorer_mod.split_by_prompt(prompt_id, 0.2, seed=0)

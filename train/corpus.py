@@ -226,21 +226,26 @@ def build_prompts(
         seed: int = 0,
         config: PromptConfig = PromptConfig(),
         root: Path | None = None,
+        exclude: Collection[str] = (),
 ) -> list[dict]:
     """A deterministic sample of function-signature prompts from one split.
 
     Each dict has "prompt" plus provenance ("file", "lineno", "indent") so tests
     and reports can point back at the source. Duplicate prompt texts (trivial
     `__init__`s etc.) are kept once. The sample is in random (seeded) order, so
-    any prefix of the list is itself a random subset.
+    any prefix of the list is itself a random subset. Prompt texts in `exclude`
+    are never drawn (e.g. the drafter's distillation prompts, when sampling
+    prompts to measure it on).
     """
     candidates: dict[str, dict] = {}
     for f, text in iter_documents(split, root):
         for p in sorted(_function_prompts(f, text, config), key=lambda p: p["lineno"]):
             candidates.setdefault(p["prompt"], p)
-    pool = list(candidates.values())  # insertion order = (file, lineno): deterministic
+    exclude = set(exclude)
+    pool = [p for p in candidates.values() if p["prompt"] not in exclude]  # (file, lineno) order: deterministic
     if n > len(pool):
-        raise ValueError(f"Asked for {n} prompts but split {split!r} only has {len(pool)}; lower n.")
+        left = f" after excluding {len(candidates) - len(pool)}" if exclude else ""
+        raise ValueError(f"Asked for {n} prompts but split {split!r} only has {len(pool)}{left}; lower n.")
     return random.Random(seed).sample(pool, n)
 
 

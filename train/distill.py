@@ -348,6 +348,16 @@ def corpus_prompts(target: Target, split: str, n: int, seed: int, max_tokens: in
 # --------------------------------------------------------------------------- anchors and batches
 
 
+def distillation_prompt_texts(preset: str) -> set[str]:
+    """The prompt texts that `--preset PRESET` distils on: prompt sets meant to
+    measure the drafter (e.g. TAPS traces) must not contain them, since the
+    drafter has seen the target's continuations of exactly these."""
+    from train.corpus import build_prompts
+
+    s = load_preset(preset)
+    return {p["prompt"] for p in build_prompts("train", n=s["data"]["num_sequences"], seed=s["train"]["seed"])}
+
+
 def anchor_range(prompt_len: int, length: int, block_size: int, region: str) -> tuple[int, int]:
     """Inclusive [lo, hi] of anchor positions for one sequence (hi < lo: none)."""
     lo = prompt_len if region == "continuation" else 0

@@ -439,8 +439,12 @@ def run(
     optim: OptimConfig | None = None,
     desc: str = "train",
     mesh=None,
+    resume_must_match: tuple[str, ...] = (),
 ) -> LoopResult:
     """Train from `state` (or the latest checkpoint if resume) to config.total_steps.
+
+    resume_must_match: keys of `meta` that the checkpoint resumed from must
+    have the same value for (a ValueError otherwise, before any step).
 
     mesh: the state is placed on it (`shard_state`) before any restore, so a
     checkpoint written on any mesh shape resumes onto this one; pair it with
@@ -453,6 +457,11 @@ def run(
     best_val, best_step = math.inf, -1
     if resume and ckpt.latest_step() is not None:
         state, saved = ckpt.restore(state)
+        for key in resume_must_match:
+            if key in saved and saved[key] != (meta or {}).get(key):
+                raise ValueError(f"{out_dir}: its checkpoints were trained with {key}={saved[key]!r}, this run asks "
+                                 f"for {key}={(meta or {}).get(key)!r}; resume with the same setting or pick "
+                                 f"another output directory")
         best_val, best_step = saved.get("best_val", math.inf), saved.get("best_step", -1)
         tqdm.write(f"resumed from step {int(state.step)} (best val {best_val:.4f} at step {best_step})")
     elif resume:

@@ -6,12 +6,13 @@ Stages, in order; each is skipped when its output exists and resumes from its
 own checkpoints when interrupted (rerun the same command):
 
   tokenizer  byte-level BPE on the stdlib train split      -> WORK/tokenizer/
-  data       token caches + held-out / train prompt sets   -> WORK/tokens/, WORK/prompts_*.jsonl
+  data       token caches + held-out prompt set            -> WORK/tokens/, WORK/prompts_heldout.jsonl
   target     Qwen3 pretraining (configs/target_<preset>)   -> WORK/target_train/export/
   drafter    DFlash distillation (configs/drafter_<preset>) -> WORK/drafter_train/export/
-  traces     TAPS traces on train-split prompts            -> WORK/traces/
-  scorer     TAPS scorer training                          -> WORK/scorer_train/scorer/
-  assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer}/
+  traces     TAPS traces on train-split prompts that the    -> WORK/prompts_traces.jsonl, WORK/traces/
+             drafter was NOT distilled on
+  scorer     TAPS scorers: temperature-1 and greedy labels -> WORK/scorer_train/, WORK/scorer_greedy_train/
+  assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer,scorer_greedy}/
   report     taps-bench at T=0 and T=1 + final losses        -> ASSETS/report.json, report.png, report_t1.png
 """
 
@@ -27,6 +28,10 @@ from pathlib import Path
 from train import corpus
 
 STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assemble", "report")
+# (training dir under WORK, labels): the set's scorer/ serves sampled decoding,
+# scorer_greedy/ greedy decoding (their acceptance rules differ).
+SCORERS = (("scorer_train", "sampled"), ("scorer_greedy_train", "greedy"))
+SCORER_FLAGS = ("--residual",)
 
 
 def _done(path: Path, name: str) -> bool:
@@ -47,17 +52,15 @@ def run_stage(name: str, args) -> None:
     tok_dir, tokens = work / "tokenizer", work / "tokens"
     target_dir = work / "target_train" / "export"
     drafter_dir = work / "drafter_train" / "export"
-    scorer_dir = work / "scorer_train" / "scorer"
     if name == "tokenizer":
         if not _done(tok_dir / "tokenizer.json", name):
             from train.tokenizer import train_tokenizer
             train_tokenizer(tok_dir, vocab_size=args.vocab_size, max_bytes=args.tokenizer_bytes)
     elif name == "data":
-        if not _done(work / "prompts_train.jsonl", name):
+        if not _done(work / "prompts_heldout.jsonl", name):
             from train import packing
             packing.main(["--tokenizer", str(tok_dir), "--cache-dir", str(tokens)])
             corpus.write_prompts_jsonl(work / "prompts_heldout.jsonl", corpus.build_prompts("heldout", n=args.heldout_prompts))
-            corpus.write_prompts_jsonl(work / "prompts_train.jsonl", corpus.build_prompts("train", n=args.trace_prompts))
     elif name == "target":
         if not _done(target_dir / "config.json", name):
             from train import target
@@ -73,19 +76,28 @@ def run_stage(name: str, args) -> None:
                                  "--preset", preset, "--resume"]), name)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
-            from train import traces
+            from train import distill, traces
+            prompts = work / "prompts_traces.jsonl"
+            if not prompts.exists():
+                # Rounds on the drafter's own distillation prompts would show it
+                # memorised, not as it drafts on new code: the scorer must learn the latter.
+                corpus.write_prompts_jsonl(prompts, corpus.build_prompts(
+                    "train", n=args.trace_prompts, exclude=distill.distillation_prompt_texts(preset)))
             _check(traces.main(["--target", str(target_dir), "--drafter", str(drafter_dir),
-                                "--prompts", str(work / "prompts_train.jsonl"), "--out", str(work / "traces"),
+                                "--prompts", str(prompts), "--out", str(work / "traces"),
                                 "--max-new-tokens", str(args.trace_tokens)]), name)
             (work / "traces" / "DONE").write_text("complete\n")
     elif name == "scorer":
-        if not _done(scorer_dir / "config.json", name):
-            from train import scorer
-            steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
-            _check(scorer.main(["--traces", str(work / "traces"), "--target", str(target_dir),
-                                "--out", str(work / "scorer_train"), "--resume", *steps]), name)
+        for out, labels in SCORERS:
+            if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
+                from train import scorer
+                steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
+                _check(scorer.main(["--traces", str(work / "traces"), "--target", str(target_dir),
+                                    "--out", str(work / out), "--labels", labels, *SCORER_FLAGS, "--resume",
+                                    *steps]), name)
     elif name == "assemble":
-        assemble(args.assets, target_dir, drafter_dir, scorer_dir, work / "prompts_heldout.jsonl")
+        scorers = {out.removesuffix("_train"): work / out / "scorer" for out, _ in SCORERS}
+        assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl")
     elif name == "report":
         write_report(args.assets, work, args.report_prompts, args.report_budgets, args.report_tokens)
 
@@ -116,7 +128,8 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
     """
     from decode import bench
 
-    models = [work / "target_train" / "export", work / "drafter_train" / "export", work / "scorer_train" / "scorer"]
+    models = [work / "target_train" / "export", work / "drafter_train" / "export",
+              *(work / out / "scorer" for out, _ in SCORERS)]
     newest_model = max((f.stat().st_mtime for d in models for f in d.glob("*") if f.is_file()), default=0.0)
     runs = {}
     for key, temperature, png in (("greedy", 0.0, "report.png"), ("sampled", 1.0, "report_t1.png")):
@@ -136,8 +149,9 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
         "target": _best_val(work / "target_train" / "metrics.csv"),
         "drafter": _best_val(work / "drafter_train" / "metrics.csv"),
         "drafter_val_agreement": _final_row(work / "drafter_train" / "val_agreement.csv"),
-        "scorer": (json.loads((work / "scorer_train" / "summary.json").read_text())
-                   if (work / "scorer_train" / "summary.json").exists() else None),
+        **{out.removesuffix("_train"): (json.loads((work / out / "summary.json").read_text())
+                                        if (work / out / "summary.json").exists() else None)
+           for out, _ in SCORERS},
     }
     # A stage whose logs are gone (say the target was restored from the shipped
     # set instead of retrained) keeps the losses of the last report.
@@ -149,7 +163,7 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
     print(f"[recipe] report: {assets / 'report.json'}", flush=True)
 
 
-def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dir: Path, prompts: Path) -> None:
+def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dirs: dict[str, Path], prompts: Path) -> None:
     """Copy the set into the package in compact form: bfloat16 weights, float32 at load time."""
     from taps_jax import load_scorer, load_target
     from taps_jax.decoder import load_drafter
@@ -161,8 +175,9 @@ def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dir: Path
         if (target_dir / extra).exists():
             shutil.copy(target_dir / extra, tmp / "target" / extra)
     load_drafter(drafter_dir, dtype="bfloat16").save(tmp / "drafter")
-    if (scorer_dir / "config.json").exists():
-        load_scorer(scorer_dir).save(tmp / "scorer")
+    for name, scorer_dir in scorer_dirs.items():  # {"scorer": dir, "scorer_greedy": dir}
+        if (scorer_dir / "config.json").exists():
+            load_scorer(scorer_dir).save(tmp / name)
     shutil.copy(prompts, tmp / "prompts_heldout.jsonl")
     shutil.rmtree(assets, ignore_errors=True)
     tmp.rename(assets)  # never leave a half-written set in the package

@@ -43,6 +43,7 @@ from train import loop
 from train.traces import check_traces_for_embedding, load_traces
 
 EMBED_NAME = "model.embed_tokens.weight"
+LABELS = ("sampled", "greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,15 @@ class ScorerTrainConfig:
     hidden_dim: int = 32
     depth_dim: int = 16
     mlp_dim: int = 64
+    # What q_cond learns: "sampled" = the target's temperature-1 probability of
+    # each child (what rejection sampling accepts), "greedy" = whether the child
+    # is the target's argmax (what greedy verification accepts).
+    labels: str = "sampled"
+    residual: bool = False  # learn a correction to the drafter's conditional (ScorerConfig.residual)
 
     def __post_init__(self):
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
         for name in ("steps", "batch_size", "log_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -188,6 +196,31 @@ def _top1_counts(graphdef, params, batch, *, width: int):
 # --------------------------------------------------------------------------- data
 
 
+def greedy_labels(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Trace labels for greedy verification, from the target's argmax per parent slot.
+
+    p_star(v) = 1 if x_v is the target's greedy token at v's parent else 0,
+    p_other(u) = 1 - sum of its children's p_star (the argmax is not a pool
+    child), reach_star(v) = 1 iff every edge on the path is the argmax, i.e.
+    exactly whether greedy verification would accept v.
+    """
+    parent = arrays["parent"].astype(np.int64)
+    slot = np.maximum(parent + 1, 0)
+    want = np.take_along_axis(arrays["target_argmax"], slot, axis=1)
+    hit = arrays["valid"] & (arrays["token"] == want)
+    rows, n = hit.shape
+    p_other = np.ones((rows, n + 1), np.float32)
+    np.subtract.at(p_other, (np.repeat(np.arange(rows), n), slot.ravel()), hit.ravel().astype(np.float32))
+    # Parents precede children in pool order, so one pass in index order fills reach.
+    reach_hit = hit.copy()
+    for i in range(n):
+        has_parent = parent[:, i] >= 0
+        idx = np.flatnonzero(has_parent)
+        reach_hit[idx, i] &= reach_hit[idx, parent[idx, i]]
+    return {"p_star": hit.astype(np.float32), "p_other": np.clip(p_other, 0.0, 1.0),
+            "reach_star": reach_hit.astype(np.float32)}
+
+
 class TraceBatches:
     """Fixed-size batches of trace rows; `batch_at(step)` is a pure function of the step."""
 
@@ -259,11 +292,14 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         target_config, embed = target
     meta, arrays = load_traces(traces)
     check_traces_for_embedding(meta, target_config, embed, source=f"the traces in {traces}")
+    if config.labels == "greedy":
+        arrays.update(greedy_labels(arrays))
     width, horizon = meta["pool"]["beam_width"], meta["pool"]["horizon"]
     scorer_config = ScorerConfig(
         vocab_size=target_config.vocab_size, embed_dim=target_config.hidden_size,
         drafter_hidden_size=meta["drafter"]["hidden_size"], horizon=horizon, token_dim=config.token_dim,
         hidden_dim=config.hidden_dim, depth_dim=config.depth_dim, mlp_dim=config.mlp_dim,
+        residual=config.residual,
     )
     train_rows, val_rows = split_by_prompt(arrays["prompt_id"], config.val_fraction, config.seed)
     if config.batch_size % sharding.data_size(mesh):
@@ -292,9 +328,10 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         log_every=min(config.log_every, config.steps), eval_every=config.eval_every,
         checkpoint_every_s=config.checkpoint_every_s, checkpoint_every=config.checkpoint_every,
     )
-    run_meta = {"scorer_config": dataclasses.asdict(scorer_config), "traces": str(traces)}
+    run_meta = {"scorer_config": dataclasses.asdict(scorer_config), "traces": str(traces), "labels": config.labels}
     result = loop.run(loop_config, state, loop.make_train_step(loss_fn, optimizer, mesh), train_data.batch_at, out,
-                      evaluate=evaluate, resume=resume, meta=run_meta, optim=optim, desc="scorer", mesh=mesh)
+                      evaluate=evaluate, resume=resume, meta=run_meta, optim=optim, desc="scorer", mesh=mesh,
+                      resume_must_match=("labels",))
 
     best = result.best_params if result.best_params is not None else result.state.params
     train_losses = [float(r["loss"]) for r in result.history if r["split"] == "train"]
@@ -311,7 +348,7 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         summary.update(val_top1_accuracy=sc / max(eligible, 1), val_top1_drafter=dr / max(eligible, 1),
                        val_argmax_in_pool=eligible / max(groups, 1))
     training = {
-        "traces": str(traces), "pool": meta["pool"], "decode": meta["decode"], "target": meta["target"],
+        "labels": config.labels, "traces": str(traces), "pool": meta["pool"], "decode": meta["decode"], "target": meta["target"],
         "steps": summary["steps"], "best_step": summary["best_step"], "val_loss": summary["val_loss"],
     }
     model = ScorerModel(nnx.merge(graphdef, best), training)
@@ -338,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--mlp-dim", type=int, default=d.mlp_dim)
     p.add_argument("--token-dim", type=int, default=d.token_dim)
+    p.add_argument("--labels", choices=LABELS, default=d.labels,
+                   help="what q_cond estimates: 'sampled' = the target's temperature-1 probability of each "
+                        "child (for sampled decoding), 'greedy' = whether it is the target's argmax (for "
+                        "temperature 0)")
+    p.add_argument("--residual", action="store_true",
+                   help="the scorer learns a correction to the drafter's own conditional (starts at DDTree's ranking)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     sharding.add_mesh_args(p)
     args = p.parse_args(argv)
@@ -347,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
             warmup_steps=args.warmup_steps, val_fraction=args.val_fraction, eval_every=args.eval_every,
             checkpoint_every_s=args.checkpoint_every_s, seed=args.seed, mlp_dim=args.mlp_dim,
-            token_dim=args.token_dim,
+            token_dim=args.token_dim, labels=args.labels, residual=args.residual,
         )
         s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume, mesh=mesh)
     except ValueError as e:

@@ -65,9 +65,17 @@ class ScorerConfig:
     hidden_dim: int = 32
     depth_dim: int = 16
     mlp_dim: int = 64
+    # Residual: the heads learn a correction to the drafter's own conditional
+    # (edge logit = step log-prob + head, other = log drafter mass outside the
+    # pool children + head); the heads start at zero, i.e. at DDTree's ranking.
+    residual: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.residual, bool):
+            raise ValueError(f"scorer residual must be true or false, got {self.residual!r}")
         for f in dataclasses.fields(self):
+            if f.name == "residual":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"scorer {f.name} must be a positive integer, got {type(value).__name__} {value!r}")
@@ -121,12 +129,13 @@ def _rms_normalize(x):
 
 
 class _Head(nnx.Module):
-    """LayerNorm -> Dense(mlp) -> SiLU -> Dense(1)."""
+    """LayerNorm -> Dense(mlp) -> SiLU -> Dense(1) (zero-initialised output when zero_init)."""
 
-    def __init__(self, features: int, mlp_dim: int, rngs: nnx.Rngs):
+    def __init__(self, features: int, mlp_dim: int, rngs: nnx.Rngs, zero_init: bool = False):
         self.norm = nnx.LayerNorm(features, rngs=rngs)
         self.fc1 = nnx.Linear(features, mlp_dim, rngs=rngs)
-        self.fc2 = nnx.Linear(mlp_dim, 1, rngs=rngs)
+        kernel_init = nnx.initializers.zeros_init() if zero_init else nnx.nn.linear.default_kernel_init
+        self.fc2 = nnx.Linear(mlp_dim, 1, kernel_init=kernel_init, rngs=rngs)
 
     def __call__(self, x):
         return self.fc2(jax.nn.silu(self.fc1(self.norm(x))))[..., 0]
@@ -141,8 +150,8 @@ class Scorer(nnx.Module):
         self.token_proj = nnx.Linear(c.embed_dim, c.token_dim, use_bias=False, rngs=rngs)
         self.hidden_proj = nnx.Linear(c.drafter_hidden_size, c.hidden_dim, use_bias=False, rngs=rngs)
         self.depth_embed = nnx.Embed(c.horizon + 1, c.depth_dim, rngs=rngs)
-        self.edge_head = _Head(c.edge_features, c.mlp_dim, rngs)
-        self.other_head = _Head(c.other_features, c.mlp_dim, rngs)
+        self.edge_head = _Head(c.edge_features, c.mlp_dim, rngs, zero_init=c.residual)
+        self.other_head = _Head(c.other_features, c.mlp_dim, rngs, zero_init=c.residual)
 
     def __call__(self, inputs: ScorerInputs, embed_VD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Returns (edge logits [B, N], other logits [B, N + 1] by parent slot)."""
@@ -179,7 +188,25 @@ class Scorer(nnx.Module):
             [tok_BSP, self.depth_embed(jnp.clip(slot_depth_BS, 0, H)), scal_BSF, hid_u_BSP], axis=-1)
         edge_BN = self.edge_head(edge_in.astype(jnp.float32))
         other_BS = self.other_head(other_in.astype(jnp.float32))
+        if self.config.residual:
+            edge_base_BN, other_base_BS = drafter_logits(pool)
+            edge_BN, other_BS = edge_BN + edge_base_BN, other_BS + other_base_BS
         return jnp.where(valid_BN, edge_BN, -jnp.inf), other_BS
+
+
+def drafter_logits(pool: Pool) -> tuple[jax.Array, jax.Array]:
+    """The drafter's own grouped logits: (step log-prob [B, N], log of the mass outside u's pool children [B, N+1]).
+
+    Their grouped softmax is the drafter's marginal at each child's depth,
+    renormalised over {pool children, other}: the residual scorer's start.
+    """
+    B, N = pool.token_BN.shape
+    step_BN = jnp.where(pool.valid_BN, jnp.maximum(pool.step_logprob_BN.astype(jnp.float32), _LOGPROB_FLOOR), 0.0)
+    seg_BN = jnp.maximum(pool.parent_BN + 1, 0)
+    mass_BS = jax.vmap(lambda p, s: jax.ops.segment_sum(p, s, num_segments=N + 1))(
+        jnp.where(pool.valid_BN, jnp.exp(step_BN), 0.0), seg_BN)
+    other_BS = jnp.log(jnp.maximum(1.0 - mass_BS, math.exp(_LOGPROB_FLOOR / 5)))
+    return step_BN, other_BS
 
 
 def node_scalars(inputs: ScorerInputs, vocab_size: int) -> jax.Array:
