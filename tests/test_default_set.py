@@ -23,7 +23,8 @@ def prompts():
 
 def test_embedded_set_is_complete_and_float32_by_default(models):
     target = models.target
-    assert models.drafter is not None and models.scorer is not None
+    assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
+    assert models.scorer.training["labels"] == "sampled" and models.greedy_scorer.training["labels"] == "greedy"
     assert target.config.family == "qwen3" and target.tokenizer is not None and target.eos_ids == (0,)
     assert target.tokenizer.token_to_id("<|mask|>") == models.drafter.config.mask_token_id == 2
     assert target.params["embed_tokens"]["embedding"].get_value().dtype == np.float32  # stored bf16, run f32
@@ -46,7 +47,7 @@ def test_embedded_prompt_set_parses(prompts):
 def test_embedded_drafter_beats_one_token_per_round_losslessly(models, prompts):
     batch = prompts[:4]
     ar = SpeculativeDecoder(models.target, None, "ar").generate(batch, 48)
-    taps = SpeculativeDecoder(models.target, models.drafter, "taps", 16, scorer=models.scorer).generate(batch, 48)
+    taps = SpeculativeDecoder(models.target, models.drafter, "taps", 16, scorer=models.scorer_for(0.0)).generate(batch, 48)
     assert taps.tokens == ar.tokens
     assert taps.stats["tau"] > 2.0, "the trained drafter should accept well over one token per round"
 
