@@ -106,6 +106,14 @@ def test_training_lowers_the_loss_and_exports_a_scorer(setup, capsys):
     assert losses[max(losses)] < 0.7 * losses[min(losses)], losses
     summary = json.loads((out / "summary.json").read_text())
     assert np.isfinite(summary["val_loss"]) and 0 <= summary["val_top1_accuracy"] <= 1
+    assert "val greedy tau of the top-12 tree" in printed
+    # The drafter's greedy tau on the validation rows, by hand: 1 + accepted nodes among its top 12 (= all).
+    _, tr = traces_mod.load_traces(root / "tr")
+    _, val = train_scorer_mod.split_by_prompt(tr["prompt_id"], 0.34, seed=0)
+    accepted = train_scorer_mod.greedy_labels(tr)["reach_star"][val].sum(axis=1)
+    assert summary["val_tau_budget"] == 12
+    assert abs(summary["val_greedy_tau_drafter"] - (1 + accepted).mean()) < 1e-5
+    assert abs(summary["val_greedy_tau_scorer"] - (1 + accepted).mean()) < 1e-5  # budget = whole pool
     scorer = load_scorer(out / "scorer")
     assert scorer.config.horizon == 3 and scorer.training["pool"]["nodes"] == 12
     # The trained scorer decodes losslessly.
@@ -131,9 +139,10 @@ def test_greedy_labels_mark_the_paths_greedy_verification_accepts(setup):
     assert sure.any() and (got["p_star"][sure] == 1).all()
 
 
-def test_greedy_label_training_lowers_the_loss_and_is_recorded(setup):
+def test_greedy_label_training_lowers_the_loss_and_is_recorded(setup, monkeypatch):
     root, target, drafter = setup
     out = root / "train_greedy"
+    monkeypatch.setattr(train_scorer_mod, "VAL_TAU_BUDGET", 4)
     rc = train_scorer_mod.main(["--traces", str(root / "tr"), "--target", str(root / "target"), "--out", str(out),
                                 "--steps", "40", "--batch-size", "8", "--eval-every", "20", "--val-fraction", "0.34",
                                 "--labels", "greedy"])
@@ -142,6 +151,15 @@ def test_greedy_label_training_lowers_the_loss_and_is_recorded(setup):
     assert losses[max(losses)] < 0.7 * losses[min(losses)], losses
     scorer = load_scorer(out / "scorer")
     assert scorer.training["labels"] == "greedy"
+    # Validation tau of DDTree's top-4 trees, by hand.
+    summary = json.loads((out / "summary.json").read_text())
+    _, tr = traces_mod.load_traces(root / "tr")
+    _, val = train_scorer_mod.split_by_prompt(tr["prompt_id"], 0.34, seed=0)
+    top4 = np.argsort(-tr["cum_logprob"][val], axis=1, kind="stable")[:, :4]
+    accepted = np.take_along_axis(train_scorer_mod.greedy_labels(tr)["reach_star"][val], top4, axis=1).sum(1)
+    assert summary["val_tau_budget"] == 4
+    assert abs(summary["val_greedy_tau_drafter"] - (1 + accepted).mean()) < 1e-5
+    assert 1 <= summary["val_greedy_tau_scorer"] <= 5
     dec = SpeculativeDecoder(target, drafter, "taps", 4, scorer=scorer)
     assert dec.generate(PROMPTS[:2], 8).tokens == target.generate(PROMPTS[:2], 8).tokens
     # Resuming these checkpoints with the other labels would mix two objectives.

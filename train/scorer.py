@@ -44,6 +44,7 @@ from train.traces import check_traces_for_embedding, load_traces
 
 EMBED_NAME = "model.embed_tokens.weight"
 LABELS = ("sampled", "greedy")
+VAL_TAU_BUDGET = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,26 @@ def _top1_counts(graphdef, params, batch, *, width: int):
     return correct(log_q), correct(pool.step_logprob_BN), eligible, groups
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "budget"))
+def _greedy_tau(graphdef, params, batch, *, width: int, budget: int):
+    """Greedy tau of a top-`budget` tree on trace rows, summed over rows: (scorer's reach, drafter's cum log-prob).
+
+    Under greedy verification a tree accepts exactly its nodes on the target's
+    argmax path, so tau = 1 + sum of the selected nodes' greedy reach (0/1).
+    """
+    scorer = nnx.merge(graphdef, params)
+    inputs = inputs_from_batch(batch, width)
+    log_q, _ = scorer_log_qcond(scorer, inputs, batch["embed"])
+    pool = inputs.pool
+
+    def tau(score_BN):
+        _, idx_BM = jax.lax.top_k(jnp.where(pool.valid_BN, score_BN, -jnp.inf), budget)
+        accepted_B = jnp.take_along_axis(batch["greedy_reach"], idx_BM, axis=1).sum(axis=1)
+        return jnp.sum((1.0 + accepted_B) * batch["row_weight"])
+
+    return tau(reach(pool, log_q)), tau(pool.cum_logprob_BN)
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -292,8 +313,10 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         target_config, embed = target
     meta, arrays = load_traces(traces)
     check_traces_for_embedding(meta, target_config, embed, source=f"the traces in {traces}")
+    greedy = greedy_labels(arrays)
+    arrays["greedy_reach"] = greedy["reach_star"]  # for the validation tau below
     if config.labels == "greedy":
-        arrays.update(greedy_labels(arrays))
+        arrays.update(greedy)
     width, horizon = meta["pool"]["beam_width"], meta["pool"]["horizon"]
     scorer_config = ScorerConfig(
         vocab_size=target_config.vocab_size, embed_dim=target_config.hidden_size,
@@ -347,6 +370,13 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         sc, dr, eligible, groups = (int(c) for c in counts)
         summary.update(val_top1_accuracy=sc / max(eligible, 1), val_top1_drafter=dr / max(eligible, 1),
                        val_argmax_in_pool=eligible / max(groups, 1))
+        # What selection buys: greedy tau of the trace pools' top-64 trees (an
+        # offline estimate; the pools are the traces', not the decoder's).
+        budget = min(VAL_TAU_BUDGET, meta["pool"]["nodes"])
+        taus = np.sum([jax.device_get(_greedy_tau(graphdef, best, b, width=width, budget=budget))
+                       for b in val_batches], axis=0) / len(val_rows)
+        summary.update(val_tau_budget=budget, val_greedy_tau_scorer=float(taus[0]),
+                       val_greedy_tau_drafter=float(taus[1]))
     training = {
         "labels": config.labels, "traces": str(traces), "pool": meta["pool"], "decode": meta["decode"], "target": meta["target"],
         "steps": summary["steps"], "best_step": summary["best_step"], "val_loss": summary["val_loss"],
@@ -403,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     line = f"final train loss {s['train_loss']:.4f}  val loss {s['val_loss']:.4f} (best step {s['best_step']})"
     if "val_top1_accuracy" in s:
         line += (f"  val top-1 child = target argmax: {s['val_top1_accuracy']:.3f} (drafter's own ranking "
-                 f"{s['val_top1_drafter']:.3f}; argmax in pool for {s['val_argmax_in_pool']:.1%} of groups)")
+                 f"{s['val_top1_drafter']:.3f}; argmax in pool for {s['val_argmax_in_pool']:.1%} of groups)\n"
+                 f"val greedy tau of the top-{s['val_tau_budget']} tree: {s['val_greedy_tau_scorer']:.3f} by the "
+                 f"scorer's reach, {s['val_greedy_tau_drafter']:.3f} by the drafter's (DDTree's) ranking")
     print(line, flush=True)
     print(f"scorer written to {s['scorer_dir']}", flush=True)
     return 0
