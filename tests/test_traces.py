@@ -110,7 +110,7 @@ def test_training_lowers_the_loss_and_exports_a_scorer(setup, capsys):
     # The drafter's greedy tau on the validation rows, by hand: 1 + accepted nodes among its top 12 (= all).
     _, tr = traces_mod.load_traces(root / "tr")
     _, val = train_scorer_mod.split_by_prompt(tr["prompt_id"], 0.34, seed=0)
-    accepted = train_scorer_mod.greedy_labels(tr)["reach_star"][val].sum(axis=1)
+    accepted = train_scorer_mod.greedy_labels(tr, CONFIG.pool_width)["reach_star"][val].sum(axis=1)
     assert summary["val_tau_budget"] == 12
     assert abs(summary["val_greedy_tau_drafter"] - (1 + accepted).mean()) < 1e-5
     assert abs(summary["val_greedy_tau_scorer"] - (1 + accepted).mean()) < 1e-5  # budget = whole pool
@@ -124,7 +124,7 @@ def test_training_lowers_the_loss_and_exports_a_scorer(setup, capsys):
 def test_greedy_labels_mark_the_paths_greedy_verification_accepts(setup):
     root, _, _ = setup
     _, tr = traces_mod.load_traces(root / "tr")
-    got = train_scorer_mod.greedy_labels(tr)
+    got = train_scorer_mod.greedy_labels(tr, CONFIG.pool_width)
     for r in range(len(tr["token"])):
         parent, token = tr["parent"][r], tr["token"][r]
         hit = np.array([token[n] == tr["target_argmax"][r, parent[n] + 1] for n in range(12)], np.float32)
@@ -156,7 +156,7 @@ def test_greedy_label_training_lowers_the_loss_and_is_recorded(setup, monkeypatc
     _, tr = traces_mod.load_traces(root / "tr")
     _, val = train_scorer_mod.split_by_prompt(tr["prompt_id"], 0.34, seed=0)
     top4 = np.argsort(-tr["cum_logprob"][val], axis=1, kind="stable")[:, :4]
-    accepted = np.take_along_axis(train_scorer_mod.greedy_labels(tr)["reach_star"][val], top4, axis=1).sum(1)
+    accepted = np.take_along_axis(train_scorer_mod.greedy_labels(tr, CONFIG.pool_width)["reach_star"][val], top4, axis=1).sum(1)
     assert summary["val_tau_budget"] == 4
     assert abs(summary["val_greedy_tau_drafter"] - (1 + accepted).mean()) < 1e-5
     assert 1 <= summary["val_greedy_tau_scorer"] <= 5

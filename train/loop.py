@@ -451,6 +451,7 @@ def run(
     `make_train_step(..., mesh=mesh)`, which splits each batch over "data".
     """
     out_dir = Path(out_dir)
+    meta = dict(meta or {})
     state = shard_state(state, mesh)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out_dir, config.keep, writer=True)
@@ -458,9 +459,9 @@ def run(
     if resume and ckpt.latest_step() is not None:
         state, saved = ckpt.restore(state)
         for key in resume_must_match:
-            if key in saved and saved[key] != (meta or {}).get(key):
+            if key in saved and saved[key] != meta.get(key):
                 raise ValueError(f"{out_dir}: its checkpoints were trained with {key}={saved[key]!r}, this run asks "
-                                 f"for {key}={(meta or {}).get(key)!r}; resume with the same setting or pick "
+                                 f"for {key}={meta.get(key)!r}; resume with the same setting or pick "
                                  f"another output directory")
         best_val, best_step = saved.get("best_val", math.inf), saved.get("best_step", -1)
         tqdm.write(f"resumed from step {int(state.step)} (best val {best_val:.4f} at step {best_step})")
@@ -469,7 +470,6 @@ def run(
     start = int(state.step)
     log = MetricsLog(out_dir, start if resume else None)
     elapsed0 = float(log.rows[-1]["elapsed_s"] or 0) if log.rows else 0.0  # wall time of earlier legs
-    meta = dict(meta or {})
 
     def checkpoint():
         ckpt.save(state, {**meta, "step": int(state.step), "best_val": best_val, "best_step": best_step})

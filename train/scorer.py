@@ -168,9 +168,16 @@ def make_loss_fn(graphdef, width: int):
     return loss_fn
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "width"))
-def _top1_counts(graphdef, params, batch, *, width: int):
-    """(scorer correct, drafter correct, groups whose target argmax is a pool child, groups with children)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "budget"))
+def _val_counts(graphdef, params, batch, *, width: int, budget: int):
+    """Validation counts of one batch, from one scorer forward.
+
+    (scorer correct, drafter correct, groups whose target argmax is a pool
+    child, groups with children, greedy tau of the scorer's top-`budget` tree
+    and of the drafter's, summed over rows). Under greedy verification a tree
+    accepts exactly its nodes on the target's argmax path, so tau = 1 + sum of
+    the selected nodes' greedy reach (0/1).
+    """
     scorer = nnx.merge(graphdef, params)
     inputs = inputs_from_batch(batch, width)
     log_q, _ = scorer_log_qcond(scorer, inputs, batch["embed"])
@@ -189,35 +196,21 @@ def _top1_counts(graphdef, params, batch, *, width: int):
         best_BN = score_BN == jnp.take_along_axis(segmax(score_BN, seg), seg, axis=1)
         return jnp.sum(segany(hit_BN & best_BN, seg) & row)
 
-    eligible = jnp.sum(segany(hit_BN, seg) & row)
-    groups = jnp.sum(segany(pool.valid_BN, seg) & row)
-    return correct(log_q), correct(pool.step_logprob_BN), eligible, groups
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "width", "budget"))
-def _greedy_tau(graphdef, params, batch, *, width: int, budget: int):
-    """Greedy tau of a top-`budget` tree on trace rows, summed over rows: (scorer's reach, drafter's cum log-prob).
-
-    Under greedy verification a tree accepts exactly its nodes on the target's
-    argmax path, so tau = 1 + sum of the selected nodes' greedy reach (0/1).
-    """
-    scorer = nnx.merge(graphdef, params)
-    inputs = inputs_from_batch(batch, width)
-    log_q, _ = scorer_log_qcond(scorer, inputs, batch["embed"])
-    pool = inputs.pool
-
     def tau(score_BN):
         _, idx_BM = jax.lax.top_k(jnp.where(pool.valid_BN, score_BN, -jnp.inf), budget)
         accepted_B = jnp.take_along_axis(batch["greedy_reach"], idx_BM, axis=1).sum(axis=1)
         return jnp.sum((1.0 + accepted_B) * batch["row_weight"])
 
-    return tau(reach(pool, log_q)), tau(pool.cum_logprob_BN)
+    eligible = jnp.sum(segany(hit_BN, seg) & row)
+    groups = jnp.sum(segany(pool.valid_BN, seg) & row)
+    return (correct(log_q), correct(pool.step_logprob_BN), eligible, groups,
+            tau(reach(pool, log_q)), tau(pool.cum_logprob_BN))
 
 
 # --------------------------------------------------------------------------- data
 
 
-def greedy_labels(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def greedy_labels(arrays: dict[str, np.ndarray], width: int) -> dict[str, np.ndarray]:
     """Trace labels for greedy verification, from the target's argmax per parent slot.
 
     p_star(v) = 1 if x_v is the target's greedy token at v's parent else 0,
@@ -232,14 +225,10 @@ def greedy_labels(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     rows, n = hit.shape
     p_other = np.ones((rows, n + 1), np.float32)
     np.subtract.at(p_other, (np.repeat(np.arange(rows), n), slot.ravel()), hit.ravel().astype(np.float32))
-    # Parents precede children in pool order, so one pass in index order fills reach.
-    reach_hit = hit.copy()
-    for i in range(n):
-        has_parent = parent[:, i] >= 0
-        idx = np.flatnonzero(has_parent)
-        reach_hit[idx, i] &= reach_hit[idx, parent[idx, i]]
+    pool = inputs_from_batch(arrays, width).pool
+    reach_star = np.exp(np.asarray(reach(pool, jnp.where(hit, 0.0, -jnp.inf))))  # log 1 / log 0 along the path
     return {"p_star": hit.astype(np.float32), "p_other": np.clip(p_other, 0.0, 1.0),
-            "reach_star": reach_hit.astype(np.float32)}
+            "reach_star": reach_star.astype(np.float32)}
 
 
 class TraceBatches:
@@ -313,11 +302,11 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         target_config, embed = target
     meta, arrays = load_traces(traces)
     check_traces_for_embedding(meta, target_config, embed, source=f"the traces in {traces}")
-    greedy = greedy_labels(arrays)
+    width, horizon = meta["pool"]["beam_width"], meta["pool"]["horizon"]
+    greedy = greedy_labels(arrays, width)
     arrays["greedy_reach"] = greedy["reach_star"]  # for the validation tau below
     if config.labels == "greedy":
         arrays.update(greedy)
-    width, horizon = meta["pool"]["beam_width"], meta["pool"]["horizon"]
     scorer_config = ScorerConfig(
         vocab_size=target_config.vocab_size, embed_dim=target_config.hidden_size,
         drafter_hidden_size=meta["drafter"]["hidden_size"], horizon=horizon, token_dim=config.token_dim,
@@ -366,17 +355,16 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
         "params": n_params,
     }
     if val_batches:
-        counts = np.sum([jax.device_get(_top1_counts(graphdef, best, b, width=width)) for b in val_batches], axis=0)
-        sc, dr, eligible, groups = (int(c) for c in counts)
-        summary.update(val_top1_accuracy=sc / max(eligible, 1), val_top1_drafter=dr / max(eligible, 1),
-                       val_argmax_in_pool=eligible / max(groups, 1))
-        # What selection buys: greedy tau of the trace pools' top-64 trees (an
+        # Greedy tau of the trace pools' top-64 trees: what selection buys (an
         # offline estimate; the pools are the traces', not the decoder's).
         budget = min(VAL_TAU_BUDGET, meta["pool"]["nodes"])
-        taus = np.sum([jax.device_get(_greedy_tau(graphdef, best, b, width=width, budget=budget))
-                       for b in val_batches], axis=0) / len(val_rows)
-        summary.update(val_tau_budget=budget, val_greedy_tau_scorer=float(taus[0]),
-                       val_greedy_tau_drafter=float(taus[1]))
+        counts = np.sum([jax.device_get(_val_counts(graphdef, best, b, width=width, budget=budget))
+                         for b in val_batches], axis=0)
+        sc, dr, eligible, groups = (int(c) for c in counts[:4])
+        summary.update(val_top1_accuracy=sc / max(eligible, 1), val_top1_drafter=dr / max(eligible, 1),
+                       val_argmax_in_pool=eligible / max(groups, 1), val_tau_budget=budget,
+                       val_greedy_tau_scorer=float(counts[4] / len(val_rows)),
+                       val_greedy_tau_drafter=float(counts[5] / len(val_rows)))
     training = {
         "labels": config.labels, "traces": str(traces), "pool": meta["pool"], "decode": meta["decode"], "target": meta["target"],
         "steps": summary["steps"], "best_step": summary["best_step"], "val_loss": summary["val_loss"],
