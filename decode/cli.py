@@ -1,10 +1,12 @@
 """`taps-decode`: generate a continuation with AR or speculative decoding.
 
     taps-decode --prompt TEXT [--policy P] [--mesh D,M] ...
-    taps-decode --prompts IN.jsonl --out OUT.jsonl [--batch-size B] [--mesh D,M] ...   (a decoding job)
+    taps-decode --prompts IN.jsonl --out OUT.jsonl [--batch-size B] [--shard I/N] [--force-new] ...   (a job)
 
 The job mode (decode/jobs.py) writes one JSON line per prompt as its batch
 finishes and, rerun after an interruption, skips the prompts already written.
+Everything a job can refuse (its output, its settings, the scorer's target)
+is checked before any model is loaded.
 """
 
 from __future__ import annotations
@@ -14,9 +16,21 @@ import sys
 import time
 from pathlib import Path
 
-from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
+from decode.common import (Parser, add_mesh_args, add_model_args, load_models, model_part_dirs, positive_int, run,
+                           setup_mesh)
 from taps_jax import sharding
+from taps_jax.checkpoints.scorer import check_scorer_dir_for_target
 from taps_jax.decoder import POLICIES, SpeculativeDecoder
+from taps_jax.prompt_file import check_text
+
+
+def shard_arg(text: str):
+    from decode.jobs import Shard
+
+    try:
+        return Shard.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "rerunning skips prompts already written")
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="job mode: prompts per batch (default 8; padded to a multiple of the mesh's data axis)")
+    p.add_argument("--shard", type=shard_arg, metavar="I/N",
+                   help="job mode: decode only shard I of N (every N-th prompt by id, I from 0) into its own --out; "
+                        "join the shards with python -m decode.merge")
+    p.add_argument("--force-new", action="store_true",
+                   help="job mode: start --out afresh; an existing OUT and its manifest are moved aside to "
+                        "OUT.old1, ... (never deleted)")
     add_model_args(p)
     add_mesh_args(p)
     p.add_argument("--policy", choices=POLICIES, default="ddtree",
@@ -48,15 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def check_args(args) -> None:
+    """Flag combinations and text, before anything is loaded."""
     if args.prompts is None and not args.prompt:
         raise ValueError("--prompt is empty; give some text to continue")
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt", from_argv=True,
+                   hint="give text, or for raw token ids use --prompts FILE with {\"ids\": [...]} lines")
     if args.prompts is not None and args.out is None:
         raise ValueError("--prompts needs --out OUT.jsonl (where the results go)")
     if args.prompts is None and args.out is not None:
         raise ValueError("--out is for job mode; pass --prompts IN.jsonl too, or drop --out")
-    mesh = setup_mesh(args)
+    for flag, value in (("--shard", args.shard), ("--force-new", args.force_new)):
+        if args.prompts is None and value:
+            raise ValueError(f"{flag} is for job mode; pass --prompts IN.jsonl --out OUT.jsonl too, or drop {flag}")
+
+
+def build_decoder(args, mesh) -> SpeculativeDecoder:
     models = load_models(args, mesh)
     if args.prompt is not None and models.target.tokenizer is None:
         raise ValueError("the target has no tokenizer.json, so text prompts cannot be encoded")
@@ -66,20 +94,41 @@ def main(argv=None) -> int:
                          "(train one with python -m train.scorer), or use --policy ddtree")
     if args.policy != "ar" and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/, or use --policy ar")
-    decoder = SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,
-                                 **({"scorer": scorer} if args.policy == "taps" else {}))
-    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.prompts is not None:
-        from decode.jobs import run_job
+    return SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,
+                              **({"scorer": scorer} if args.policy == "taps" else {}))
 
-        try:
-            run_job(decoder, args.prompts, args.out, batch_size=args.batch_size,
-                    max_new_tokens=args.max_new_tokens, **kwargs)
-        except KeyboardInterrupt:
-            print(f"interrupted: finished prompts are in {args.out}; rerun the same command to do the rest",
-                  file=sys.stderr)
-            return 130
+
+def open_cli_job(args, dirs: dict):
+    """The job of --prompts/--out, checked and locked: its settings come from the flags and the part dirs."""
+    from decode import jobs
+
+    models = {name: jobs.part_digest(d) if d is not None else None for name, d in dirs.items()}
+    settings = jobs.JobSettings.create(models, args.policy, args.budget, args.dtype, args.max_new_tokens,
+                                       args.temperature, args.top_k, args.top_p, args.seed)
+    return jobs.open_job(args.prompts, args.out, settings, shard=args.shard, force_new=args.force_new)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    mesh = setup_mesh(args)
+    dirs = model_part_dirs(args)
+    if args.policy == "taps" and dirs["scorer"] is not None:
+        check_scorer_dir_for_target(dirs["scorer"], dirs["target"])
+    if args.prompts is not None:
+        from decode.jobs import decode_job
+
+        with open_cli_job(args, dirs) as job:  # every refusal comes before any model is loaded
+            decoder = build_decoder(args, mesh)
+            try:
+                decode_job(decoder, job, batch_size=args.batch_size)
+            except KeyboardInterrupt:
+                print(f"interrupted: finished prompts are in {args.out}; rerun the same command to do the rest",
+                      file=sys.stderr)
+                return 130
         return 0
+    decoder = build_decoder(args, mesh)
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     decoder.generate([args.prompt], args.max_new_tokens, **kwargs)  # compile (not timed)
     start = time.perf_counter()
     result = decoder.generate([args.prompt], args.max_new_tokens, **kwargs)

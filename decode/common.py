@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from taps_jax import load_scorer, load_target
@@ -69,3 +72,69 @@ def run(main, prog: str) -> None:
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_output_path(path, expected_bytes: int = 0, *, directory: bool = False) -> Path | None:
+    """ValueError unless `path` can be written: call it before any work, so a bad path costs nothing.
+
+    path: an output file (directory=False) or an output directory; None = the flag was not given.
+    Checks: it is not a directory (or, with directory=True, not a file); the
+    directory it goes in (the nearest existing one, as missing ones will be
+    created) is a directory we can create files in; that filesystem has
+    `expected_bytes` free. Writability is probed by creating and removing a
+    temporary file there, because permission bits lie (root, read-only mounts).
+    Nothing else is created or changed.
+    """
+    if path is None:
+        return None
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory; give a directory (or a new name) for the output")
+    if not directory and path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file name for the output")
+    if not directory and path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file; give a file name for the output")
+    folder = path if directory else path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"cannot write {path}: {folder} is not a directory; choose another output path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".taps-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: cannot create files in {folder} ({e.strerror}); "
+                         "choose another output path or fix its permissions") from None
+    if not directory and path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"cannot write {path}: the file is not writable; choose another output path")
+    free = shutil.disk_usage(folder).free
+    if free < expected_bytes:
+        raise ValueError(f"cannot write {path}: {folder} has {free / 2**20:,.1f} MiB free, the output needs about "
+                         f"{expected_bytes / 2**20:,.1f} MiB; free some space or choose another output path")
+    return path
+
+
+def model_part_dirs(args) -> dict[str, Path | None]:
+    """The checkpoint dir each part will come from, resolved as `load_models` and `ModelSet.scorer_for` do.
+
+    Read without loading anything, so a job can record (and check) its models
+    before paying for them. "scorer" is the one --policy taps would use at
+    --temperature; None where a part is absent.
+    """
+    base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
+    if base is not None and not Path(base).is_dir():
+        raise ValueError(f"model directory {str(base)!r} does not exist; pass --model DIR or --target DIR --drafter DIR")
+
+    def part(flag, name):
+        if flag is not None:
+            return flag
+        return base / name if base is not None and (base / name).is_dir() else None
+
+    if part(args.target, "target") is None:
+        raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
+    scorer = args.scorer
+    if scorer is None:
+        greedy = part(None, "scorer_greedy")
+        scorer = greedy if args.temperature == 0 and greedy is not None else part(None, "scorer")
+    return {"target": part(args.target, "target"), "drafter": part(args.drafter, "drafter"), "scorer": scorer}

@@ -10,26 +10,47 @@ Output: JSONL, one line per prompt, appended as soon as its batch finishes:
 (plus "token_ids" when the target has no tokenizer).
 Lines are in completion order, not input order (join on "id").
 
+A job owns its output (DESIGN.md section 12). Beside OUT it keeps:
+  OUT.job.json  the manifest: what produced OUT (input digest, model digests,
+                policy, budget, sampling, max_new_tokens, dtype, seed, shard,
+                package version). Written before OUT's first line, never rewritten.
+  OUT.lock      flock'ed for the job's life (one writer per output; the OS
+                releases it when the process dies); holds the holder's pid and host.
+A run refuses, with a one-line ValueError and without changing any file: an
+OUT that is the input file, an OUT that exists without a manifest (not
+ours), a manifest with other settings, a line that is not one of our result
+lines, an id that is not in the input (or this shard) or appears twice, an
+output another job holds. `force_new` moves an existing OUT and manifest
+aside (OUT.old1, OUT.old1.job.json, ...) and starts over; nothing is deleted.
+
+Restart safety (preemption, SIGKILL, Ctrl-C): each finished batch is written
+with ONE append `write` of whole lines followed by `fsync`, so the only damage
+an interruption can do is a torn last line (no trailing newline). That tail,
+and nothing else, is cut on resume; prompts already in OUT are skipped.
+
 Batching: prompts are tokenized, sorted by length, grouped into power-of-two
 length buckets and cut into batches of --batch-size inside each bucket, so a
 batch pads little and every (batch, length) bucket compiles once. A batch is
 padded to a multiple of the mesh's data axis by the decoder.
 
-Restart safety (preemption, SIGKILL, Ctrl-C): each finished batch is written
-with ONE append `write` of whole lines followed by `fsync`. On start the
-output file is scanned: a torn last line (no newline, or not JSON) is cut
-off, and prompts whose id is already there are skipped. So after any number
-of interruptions every prompt appears exactly once and every line parses.
+Shards (`Shard(i, n)`, `--shard I/N`): the prompts sorted by id, every n-th
+from the i-th, each shard its own job with its own OUT; `decode.merge`
+checks and joins them.
 
-Multi-host: all processes run the same batches (process 0 decides what is
-left and broadcasts it); only process 0 writes the file.
+Multi-host: all processes run the same batches; process 0 alone checks, locks
+and writes OUT, and broadcasts what is left (or that it refused, so no
+process waits on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import socket
 import sys
 import time
 import zlib
@@ -38,45 +59,470 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from decode.common import check_output_path
 from taps_jax.engine.batching import bucket
 from taps_jax.prompt_file import PromptRecord, prompt_key, read_prompt_file
 
+MANIFEST_FORMAT = "taps-jax-job"
+MANIFEST_VERSION = 1
+# Free disk a job asks for before starting: a generous bound on one result line.
+BYTES_PER_TOKEN, BYTES_PER_LINE = 8, 256
+SAMPLED_BLOCKS, BLOCK_BYTES = 16, 4096
 
-def recover_output(path) -> set[str]:
-    """Ids (as `_key`) already in an output file; a torn tail is truncated away.
 
-    Everything after the last complete, parseable line is cut, so the next
-    append starts on a fresh line. Prompts of cut lines are decoded again.
+# --------------------------------------------------------------------------- what a job is
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count`: every count-th prompt in id order, from the index-th."""
+
+    index: int
+    count: int
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index}/{self.count}: need 0 <= I < N (I counts from 0)")
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        try:
+            index, count = (int(x) for x in text.split("/"))
+        except ValueError:
+            raise ValueError(f"--shard expects I/N (e.g. 0/4), got {text!r}") from None
+        return cls(index, count)
+
+    def select(self, prompts: list[PromptRecord]) -> list[PromptRecord]:
+        """This shard's prompts, in file order; by id, so the split does not depend on line order."""
+        ordered = sorted(range(len(prompts)), key=lambda i: prompt_key(prompts[i].id))
+        mine = set(ordered[self.index::self.count])
+        return [p for i, p in enumerate(prompts) if i in mine]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+    """What decides a job's results: recorded in its manifest, and a resume must match it field by field.
+
+    models: part name -> digest (`part_digest` of a checkpoint dir, or `memory_digest`).
+    Settings a run does not use are None, so they cannot block a resume:
+    budget and the drafter for "ar", the scorer outside "taps", top_k, top_p
+    and seed when greedy.
+    """
+
+    models: dict
+    policy: str
+    budget: int | None
+    dtype: str
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+
+    @classmethod
+    def create(cls, models: dict, policy: str, budget: int, dtype: str, max_new_tokens: int,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> "JobSettings":
+        from taps_jax.engine.sampling import SamplingConfig
+
+        SamplingConfig(temperature, top_k, top_p)  # bad values fail here, before a manifest records them
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        used = {"target": True, "drafter": policy != "ar", "scorer": policy == "taps"}
+        models = {name: digest for name, digest in models.items() if used.get(name, True)}
+        greedy = temperature == 0
+        return cls(models, policy, None if policy == "ar" else budget, dtype, max_new_tokens, float(temperature),
+                   None if greedy else top_k, None if greedy else float(top_p), None if greedy else seed)
+
+    @property
+    def sampling(self) -> dict:
+        """The `generate` keyword arguments (greedy ignores top_k, top_p and seed)."""
+        return dict(temperature=self.temperature, top_k=self.top_k or 0,
+                    top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFiles:
+    """The output and the two files a job keeps beside it."""
+
+    out: Path
+    manifest: Path
+    lock: Path
+
+    @classmethod
+    def beside(cls, out) -> "JobFiles":
+        out = Path(out)
+        return cls(out, out.with_name(out.name + ".job.json"), out.with_name(out.name + ".lock"))
+
+    def aside(self) -> "JobFiles":
+        """The first free OUT.oldK (with its own manifest name): where --force-new moves this output."""
+        k = 1
+        while True:
+            moved = JobFiles.beside(self.out.with_name(f"{self.out.name}.old{k}"))
+            if not moved.out.exists() and not moved.manifest.exists():
+                return moved
+            k += 1
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def _sha(h) -> str:
+    return h.hexdigest()[:16]
+
+
+def file_digest(path) -> str:
+    """sha256 (first 16 hex digits) of a whole file (the input file: small next to a job's work)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return _sha(h)
+
+
+def part_digest(path) -> str:
+    """A cheap digest of a checkpoint dir (target, drafter or scorer).
+
+    Hashes every *.json file whole (config, generation config, tokenizer,
+    safetensors index) and, for each *.safetensors file, its name, size,
+    header (tensor names, dtypes, shapes, offsets) and 16 blocks of 4 KiB
+    taken evenly through it: well under a MiB read per file, yet any
+    re-export or retraining changes it. Not a hash of every weight byte.
     """
     path = Path(path)
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    done, keep, start = set(), 0, 0
-    while True:
-        end = data.find(b"\n", start)
-        if end < 0:
-            break
-        line = data[start:end]
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist or is not a directory; check the path")
+    h = hashlib.sha256()
+    for file in sorted(path.glob("*.json")):
+        h.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}\0{size}\0".encode())
+        with file.open("rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(header_len, 1 << 26)))
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(max(size - BLOCK_BYTES, 0) * i // (SAMPLED_BLOCKS - 1))
+                h.update(f.read(BLOCK_BYTES))
+    return _sha(h)
+
+
+def memory_digest(*parts) -> str:
+    """A digest of in-memory model descriptions (configs, probes) for jobs started from the Python API."""
+    return _sha(hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()))
+
+
+def decoder_settings(decoder, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0) -> JobSettings:
+    """JobSettings of a decoder built in Python: each model part by its config (and the target by its
+    embedding probe, which tells targets of one shape apart); the CLI digests checkpoint dirs instead."""
+    from taps_jax.checkpoints.scorer import embed_probe
+
+    target, drafter, scorer = decoder.target, decoder.drafter, getattr(decoder, "scorer", None)
+    embed = target.model.embed_tokens.embedding.get_value()
+    models = {"target": memory_digest(dataclasses.asdict(target.config), embed_probe(embed), target.eos_ids),
+              "drafter": None if drafter is None else memory_digest(dataclasses.asdict(drafter.config)),
+              "scorer": None if scorer is None else memory_digest(dataclasses.asdict(scorer.config), scorer.training)}
+    budget = decoder.tree.budget if decoder.tree is not None else None
+    return JobSettings.create(models, decoder.policy, budget, target.config.dtype, max_new_tokens, temperature,
+                              top_k, top_p, seed)
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("taps-jax")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def build_manifest(settings: JobSettings, prompts_path, prompts: int, shard: Shard | None) -> dict:
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "settings": {
+            "input": {"sha256": file_digest(prompts_path), "prompts": prompts},
+            "shard": None if shard is None else str(shard),
+            **dataclasses.asdict(settings),
+            "package_version": package_version(),
+        },
+        "input_path": str(Path(prompts_path).resolve()),  # where `decode.merge` finds the ids; not compared
+    }
+
+
+def read_manifest(file: Path) -> dict | None:
+    """A manifest, None if absent; ValueError if it is there but not ours."""
+    if not file.exists():
+        return None
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not a readable job manifest ({e}); move it away (it is not ours to change)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{file}: not a taps-decode job manifest; move it away or choose another --out")
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{file}: job manifest version {manifest.get('version')!r}, this taps-decode writes "
+                         f"{MANIFEST_VERSION}; resume with the version that started it, or pass --force-new")
+    return manifest
+
+
+def settings_diff(old, new, prefix: str = "") -> str | None:
+    """The first differing field between two settings dicts, as 'field was OLD, this run has NEW'."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            d = settings_diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
+            if d:
+                return d
+        return None
+    return None if old == new else f"{prefix} was {old!r}, this run has {new!r}"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a whole file or nothing: temp file beside it, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- one writer
+
+
+class JobLock:
+    """An exclusive `flock` on OUT.lock: held while the job runs, dropped by the OS when the process dies."""
+
+    def __init__(self, path: Path, what: Path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            record = json.loads(line)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process that just started"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ValueError(f"{what} is being written by another job ({holder}, lock {path}); one job per "
+                                 "output: wait for it to end or stop it, or give this run another --out") from None
+            raise ValueError(f"cannot lock {path} ({e.strerror}); put --out on a filesystem with file locks") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the lock goes with the descriptor; the file stays (unlinking it would race)
+            self.fd = None
+
+
+# --------------------------------------------------------------------------- the output's own state
+
+
+def scan_output(path: Path, ids: dict[str, int], prompts_path, shard: Shard | None) -> tuple[set[str], int]:
+    """(ids already written, bytes to keep) of our own output; ValueError on anything we did not write.
+
+    ids: prompt_key -> position of the prompts this job decodes. Every line
+    ending in a newline must be a result line of one of them, each at most
+    once; what follows the last newline (a torn write) is the only thing
+    a resume may cut, so `keep` is the offset of that tail.
+    """
+    if not path.exists():
+        return set(), 0
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    fix = "nothing was changed; fix or remove that line, or pass --force-new to move the file aside and start over"
+    where = f"{prompts_path}" + (f" (shard {shard})" if shard else "")
+    done: dict[str, int] = {}
+    for lineno, raw in enumerate(data[:keep].split(b"\n")[:-1], start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
             if not isinstance(record, dict) or "id" not in record:
-                raise ValueError
-        except ValueError:
-            if line.strip():
-                break  # a damaged line: keep what precedes it, redo the rest
-            record = None
-        if record is not None:
-            done.add(prompt_key(record["id"]))
-        keep = start = end + 1
-    if keep < len(data):
-        tqdm.write(f"{path}: dropping {len(data) - keep} bytes of an incomplete last line "
-                   "(from an interrupted run); those prompts are decoded again", file=sys.stderr)
-        with path.open("r+b") as f:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
+                raise ValueError("not an object with an \"id\"")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+            raise ValueError(f"{path}:{lineno}: not a result line ({_reason(e)}); {fix}") from None
+        key = prompt_key(record["id"])
+        if key not in ids:
+            raise ValueError(f"{path}:{lineno}: id {record['id']!r} is not a prompt of {where}; {fix}")
+        if key in done:
+            raise ValueError(f"{path}:{lineno}: id {record['id']!r} again (first on line {done[key]}); {fix}")
+        done[key] = lineno
+    return set(done), keep
+
+
+def _reason(e: ValueError) -> str:
+    from taps_jax.prompt_file import json_error
+
+    if isinstance(e, json.JSONDecodeError):
+        return f"malformed JSON: {json_error(e)}"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 at byte {e.start + 1}"
+    return str(e)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.exists() and b.exists() and os.path.samefile(a, b)
+
+
+def check_ownership(files: JobFiles, prompts_path, manifest: dict, force_new: bool) -> dict | None:
+    """ValueError unless OUT is ours with these settings (or new); returns the manifest found, if any.
+
+    Read-only: safe to call before holding the lock, and again under it.
+    """
+    for f in (files.out, files.manifest, files.lock):
+        if _same_file(f, Path(prompts_path)):
+            raise ValueError(f"--out {files.out} would overwrite the prompt file {prompts_path} ({f} is that "
+                             "file); give the results another path")
+    old = read_manifest(files.manifest)
+    if force_new:
+        return old
+    if old is None:
+        if files.out.exists() and files.out.stat().st_size > 0:
+            raise ValueError(f"refusing to overwrite {files.out}: it has no job manifest ({files.manifest.name}), so "
+                             "it is not a taps-decode output; give the results another --out (or pass --force-new to "
+                             f"move it aside to {files.aside().out.name})")
+        return None
+    diff = settings_diff(old.get("settings"), manifest["settings"])
+    if diff:
+        raise ValueError(f"{files.out} was written with other settings ({diff}); to keep it, give this run another "
+                         f"--out; to start over, pass --force-new (moves it and its manifest aside to "
+                         f"{files.aside().out.name})")
+    return old
+
+
+def move_aside(files: JobFiles) -> JobFiles | None:
+    """--force-new: rename OUT and its manifest to the first free OUT.oldK pair (never delete)."""
+    if not files.out.exists() and not files.manifest.exists():
+        return None
+    moved = files.aside()
+    for src, dst in ((files.manifest, moved.manifest), (files.out, moved.out)):
+        if src.exists():
+            os.rename(src, dst)
+    return moved
+
+
+# --------------------------------------------------------------------------- opening a job
+
+
+class Job:
+    """An opened job: its prompts still to do and, on process 0, the lock and the output descriptor.
+
+    Use as a context manager (or call close()): the lock is held until then.
+    """
+
+    def __init__(self, files: JobFiles, settings: JobSettings, prompts: int, todo: list[PromptRecord],
+                 lock: JobLock | None, shard: Shard | None):
+        self.files, self.settings, self.prompts, self.todo = files, settings, prompts, todo
+        self.lock, self.shard = lock, shard
+        self.fd = None
+        if lock is not None and todo:
+            self.fd = os.open(files.out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    @property
+    def skipped(self) -> int:
+        return self.prompts - len(self.todo)
+
+    def append(self, lines: list[str]) -> None:
+        """One write of whole lines, then fsync: an interruption can only tear the last line."""
+        if self.fd is None:
+            return  # not process 0
+        view = memoryview("".join(lines).encode("utf-8"))
+        while view:
+            view = view[os.write(self.fd, view):]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_job(prompts_path, out_path, settings: JobSettings, *, shard: Shard | None = None,
+             force_new: bool = False, progress: bool = True) -> Job:
+    """Check everything, take the lock, trim a torn tail: a Job whose `todo` is what is left.
+
+    Every refusal is a ValueError raised before any file is changed (on every
+    process: process 0 broadcasts whether it refused).
+    """
+    import jax
+
+    all_prompts = read_prompt_file(prompts_path)
+    prompts = shard.select(all_prompts) if shard else all_prompts
+    files = JobFiles.beside(out_path)
+    main = jax.process_index() == 0
+    error, lock, done = None, None, set()
+    if main:
+        try:
+            lock, done = _claim(files, prompts_path, prompts, settings, shard, force_new, progress)
+        except ValueError as e:
+            error = e
+    todo_mask = np.array([error is None] + [prompt_key(p.id) not in done for p in prompts])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        todo_mask = np.asarray(multihost_utils.broadcast_one_to_all(todo_mask))
+    if error is not None:
+        raise error
+    if not todo_mask[0]:
+        raise ValueError(f"process 0 refused the job on {files.out} (its error says why); nothing was changed")
+    todo = [p for p, left in zip(prompts, todo_mask[1:]) if left]
+    return Job(files, settings, len(prompts), todo, lock, shard)
+
+
+def _claim(files: JobFiles, prompts_path, prompts, settings, shard, force_new, progress):
+    """Process 0: the checks, the lock, then (under it) the checks again and the only changes a job makes."""
+    check_output_path(files.out)
+    manifest = build_manifest(settings, prompts_path, len(prompts), shard)
+    manifest = json.loads(json.dumps(manifest))  # compare as read back (tuples -> lists)
+    check_ownership(files, prompts_path, manifest, force_new)  # before the lock: no lock file beside others' files
+    lock = JobLock(files.lock, files.out)
+    try:
+        old = check_ownership(files, prompts_path, manifest, force_new)  # another job may have started meanwhile
+        ids = {prompt_key(p.id): i for i, p in enumerate(prompts)}
+        done, keep = (set(), 0) if force_new else scan_output(files.out, ids, prompts_path, shard)
+        left = len(prompts) - len(done)
+        check_output_path(files.out, left * (settings.max_new_tokens * BYTES_PER_TOKEN + BYTES_PER_LINE))
+        # Checks done; from here on the job changes files, all of them ours.
+        if force_new:
+            moved = move_aside(files)
+            if moved and progress:
+                tqdm.write(f"--force-new: moved the old {files.out} and its manifest to {moved.out}", file=sys.stderr)
+            old = None
+        if old is None:
+            write_atomic(files.manifest, (json.dumps(manifest, indent=2) + "\n").encode())
+        _trim(files.out, keep, progress)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, done
+
+
+def _trim(path: Path, keep: int, progress: bool) -> None:
+    """Cut a torn last line (no newline: a write an interruption cut short) of our own output."""
+    if not path.exists() or path.stat().st_size == keep:
+        return
+    if progress:
+        tqdm.write(f"{path}: cutting {path.stat().st_size - keep} bytes of a torn last line (a write cut by an "
+                   "interruption); those prompts are decoded again", file=sys.stderr)
+    with path.open("r+b") as f:
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------- decoding
 
 
 def plan_batches(items: list[tuple[PromptRecord, int]], batch_size: int) -> list[list[PromptRecord]]:
@@ -101,39 +547,23 @@ def _batch_seed(seed: int, batch: list[PromptRecord]) -> int:
     return (seed + zlib.crc32(prompt_key(batch[0].id).encode())) % (2**31 - 1)
 
 
-def _append(fd: int, lines: list[str]) -> None:
-    data = "".join(lines).encode("utf-8")
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-    os.fsync(fd)
-
-
-def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tokens: int = 128,
-            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-            progress: bool = True) -> dict:
-    """Decode every prompt of `prompts_path` not yet in `out_path`; returns a summary dict."""
-    import jax
-
+def _check_batch_size(batch_size) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {batch_size!r}")
-    prompts = read_prompt_file(prompts_path)
-    out_path = Path(out_path)
-    main = jax.process_index() == 0
-    done = recover_output(out_path) if main else set()
-    todo_mask = np.array([prompt_key(p.id) not in done for p in prompts])
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
-        todo_mask = np.asarray(multihost_utils.broadcast_one_to_all(todo_mask))
-    todo = [p for p, left in zip(prompts, todo_mask) if left]
-    skipped = len(prompts) - len(todo)
-    summary = {"prompts": len(prompts), "skipped": skipped, "written": 0, "tokens": 0, "seconds": 0.0}
-    progress = progress and main  # one progress report per job, from process 0
+
+def decode_job(decoder, job: Job, *, batch_size: int = 8, progress: bool = True) -> dict:
+    """Decode an opened job's `todo` with its settings' sampling; returns a summary dict."""
+    import jax
+
+    _check_batch_size(batch_size)
+    out_path, todo, skipped = job.files.out, job.todo, job.skipped
+    sampling, max_new_tokens = job.settings.sampling, job.settings.max_new_tokens
+    summary = {"prompts": job.prompts, "skipped": skipped, "written": 0, "tokens": 0, "seconds": 0.0}
+    progress = progress and jax.process_index() == 0  # one progress report per job, from process 0
     if not todo:
         if progress:
-            tqdm.write(f"{out_path}: all {len(prompts)} prompts are already done", file=sys.stderr)
+            tqdm.write(f"{out_path}: all {job.prompts} prompts are already done", file=sys.stderr)
         return summary
     ids = decoder.target.encode([p.prompt for p in todo])  # checks every prompt before any work
     batches = plan_batches(list(zip(todo, map(len, ids))), batch_size)
@@ -145,19 +575,14 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
 
         tqdm.write(f"decoding {len(todo)} prompts in {len(batches)} batches (up to {batch_size} prompts, one length "
                    f"bucket each) on {describe(getattr(decoder, 'mesh', None))}", file=sys.stderr)
-
-    fd = None
-    if main:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     bar = tqdm(total=len(todo), unit="prompt", desc="decode", disable=not progress, dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 30.0, file=sys.stderr)
     start = time.perf_counter()
     tokens = rounds = accepted = 0
     try:
         for batch in batches:
-            res = decoder.generate([p.prompt for p in batch], max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=_batch_seed(seed, batch))
+            res = decoder.generate([p.prompt for p in batch], max_new_tokens,
+                                   **{**sampling, "seed": _batch_seed(sampling["seed"], batch)})
             lines = []
             for i, p in enumerate(batch):
                 n = len(res.tokens[i])
@@ -176,8 +601,7 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
                     record["token_ids"] = res.tokens[i]
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 tokens += n
-            if fd is not None:
-                _append(fd, lines)
+            job.append(lines)
             summary["written"] += len(batch)
             elapsed = time.perf_counter() - start
             bar.update(len(batch))
@@ -185,8 +609,6 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
                             refresh=False)
     finally:
         bar.close()
-        if fd is not None:
-            os.close(fd)
     elapsed = time.perf_counter() - start
     summary.update(tokens=tokens, seconds=elapsed, tau=accepted / max(rounds, 1))
     if progress:
@@ -194,3 +616,17 @@ def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tok
                    f"{summary['written'] / elapsed:.2f} prompts/s, {tokens / elapsed:,.1f} tokens/s, "
                    f"tau {summary['tau']:.2f}", file=sys.stderr)
     return summary
+
+
+def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tokens: int = 128,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            shard: Shard | None = None, force_new: bool = False, progress: bool = True) -> dict:
+    """Decode every prompt of `prompts_path` (or of `shard`) not yet in `out_path`; returns a summary dict.
+
+    The Python-API form of `taps-decode --prompts --out`: the manifest
+    records the decoder's models by their configs (see `decoder_settings`).
+    """
+    _check_batch_size(batch_size)
+    settings = decoder_settings(decoder, max_new_tokens, temperature, top_k, top_p, seed)
+    with open_job(prompts_path, out_path, settings, shard=shard, force_new=force_new, progress=progress) as job:
+        return decode_job(decoder, job, batch_size=batch_size, progress=progress)

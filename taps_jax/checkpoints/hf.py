@@ -90,6 +90,11 @@ def config_from_hf(raw: dict, source: str = "config.json", dtype: str = "float32
             f"{source}: unsupported architecture {arch or raw.get('model_type')!r}; "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
+    model_type = raw.get("model_type")
+    if arch in ARCHITECTURES and model_type is not None and model_type != family:
+        # Two fields naming two models: whichever is wrong, loading one of them would be a guess.
+        raise ValueError(f"{source}: model_type {model_type!r} does not match architectures [{arch!r}] "
+                         f"(model_type {family!r}); fix the config so both name the same model")
     if raw.get("use_sliding_window"):
         raise ValueError(f"{source}: sliding-window attention is not supported; set use_sliding_window false")
     if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):

@@ -13,13 +13,21 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
 from flax import nnx
+from safetensors import safe_open
 
 from taps_jax.checkpoints.hf import check_dir, read_json
-from taps_jax.checkpoints.tensors import load_module, module_to_tensors, read_tensors, write_tensors
+from taps_jax.checkpoints.tensors import load_module, module_to_tensors, read_tensors, safetensor_files, write_tensors
 from taps_jax.tree.scorer import Scorer, ScorerConfig
 
 ARCHITECTURE = "TapsScorer"
+EMBED_NAME = "model.embed_tokens.weight"
+# A probe of 12 fixed embedding entries, not a hash of the table: a target loaded in bfloat16 (or
+# re-exported in another dtype) still matches within these tolerances, while another target of the
+# same shape (other weights) misses by far more.
+PROBE_RTOL, PROBE_ATOL = 2e-2, 1e-4
 
 
 def _no_prefix(path: tuple) -> str:
@@ -53,6 +61,15 @@ class ScorerModel:
 
     def check_models(self, target_config, drafter_config) -> None:
         self.config.check_models(target_config, drafter_config)
+
+    @property
+    def target_probe(self) -> list[float] | None:
+        """The embedding probe of the target it was fitted on (`train.scorer` records it); None if unknown."""
+        return (self.training.get("target") or {}).get("embed_probe")
+
+    def check_target_embedding(self, embed_VD) -> None:
+        """ValueError (with the fix) if this scorer was fitted on a target with other embedding weights."""
+        check_probe(self.target_probe, embed_probe(embed_VD), "this scorer")
 
     def save(self, path) -> None:
         save_scorer(self.module, path, self.training)
@@ -100,3 +117,53 @@ def load_scorer(path) -> ScorerModel:
     abstract = nnx.eval_shape(lambda: Scorer(config, nnx.Rngs(0)))
     module = load_module(abstract, read_tensors(path), _no_prefix, str(path))
     return ScorerModel(module, dict(raw.get("training") or {}))
+
+
+def probe_index(vocab_size: int, width: int) -> tuple[list[int], list[int]]:
+    """Rows and columns of the embedding probe (first, thirds and last row; first, middle and last column)."""
+    rows = sorted({0, vocab_size // 3, (2 * vocab_size) // 3, vocab_size - 1})
+    cols = sorted({0, width // 2, width - 1})
+    return rows, cols
+
+
+def embed_probe(embed_VD) -> list[float]:
+    """The probe of a [V, D] embedding table (numpy or jax; only the 12 entries leave the device)."""
+    rows, cols = probe_index(*embed_VD.shape)
+    picked = embed_VD[np.asarray(rows)[:, None], np.asarray(cols)[None, :]]
+    return [float(x) for x in np.asarray(jax.device_get(picked), np.float32).ravel()]
+
+
+def checkpoint_embed_probe(target_dir) -> list[float]:
+    """The probe of a target checkpoint, read from its safetensors file: 4 rows, no model loading."""
+    target_dir = check_dir(target_dir)
+    for file in safetensor_files(target_dir):
+        with safe_open(str(file), framework="flax") as f:
+            if EMBED_NAME not in f.keys():
+                continue
+            table = f.get_slice(EMBED_NAME)
+            rows, cols = probe_index(*table.get_shape())
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                picked = [np.asarray(table[r:r + 1], np.float32)[0, cols] for r in rows]
+            return [float(x) for x in np.concatenate(picked)]
+    raise ValueError(f"{target_dir}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
+
+
+def check_probe(recorded, probe: list[float], scorer: str) -> None:
+    """ValueError if a scorer's recorded target probe is not this target's; nothing recorded: nothing to check."""
+    if recorded is None:
+        return
+    if len(recorded) != len(probe) or not np.allclose(recorded, probe, rtol=PROBE_RTOL, atol=PROBE_ATOL):
+        raise ValueError(f"{scorer} was fitted on another target (the embedding entries it recorded, "
+                         f"{[round(x, 4) for x in recorded[:3]]}..., are not this target's, "
+                         f"{[round(x, 4) for x in probe[:3]]}...); "
+                         "train a scorer for this target (python -m train.traces, then python -m train.scorer "
+                         "--target THIS_TARGET) or use policy 'ddtree'")
+
+
+def check_scorer_dir_for_target(scorer_dir, target_dir) -> None:
+    """The same check from the checkpoint dirs, before either model is loaded."""
+    scorer_dir = check_dir(scorer_dir)
+    training = read_json(scorer_dir / "config.json").get("training") or {}
+    recorded = (training.get("target") or {}).get("embed_probe") if isinstance(training, dict) else None
+    if recorded is not None:
+        check_probe(recorded, checkpoint_embed_probe(target_dir), f"the scorer {scorer_dir}")
