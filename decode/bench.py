@@ -92,6 +92,9 @@ def _run(decoder, batches, args, desc):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from decode.common import check_output_path
+    for path in (args.json, args.plot):
+        check_output_path(path)  # before the benchmark, not after it
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
     prompts = [r.prompt for r in read_prompt_file(prompts_file)][: args.num_prompts]
     if args.temperature < 0:

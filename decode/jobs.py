@@ -112,9 +112,9 @@ class JobSettings:
     and seed when greedy.
     """
 
-    models: dict
     policy: str
     budget: int | None
+    models: dict
     dtype: str
     max_new_tokens: int
     temperature: float
@@ -133,7 +133,7 @@ class JobSettings:
         used = {"target": True, "drafter": policy != "ar", "scorer": policy == "taps"}
         models = {name: digest for name, digest in models.items() if used.get(name, True)}
         greedy = temperature == 0
-        return cls(models, policy, None if policy == "ar" else budget, dtype, max_new_tokens, float(temperature),
+        return cls(policy, None if policy == "ar" else budget, models, dtype, max_new_tokens, float(temperature),
                    None if greedy else top_k, None if greedy else float(top_p), None if greedy else seed)
 
     @property
@@ -273,7 +273,7 @@ def read_manifest(file: Path) -> dict | None:
 def settings_diff(old, new, prefix: str = "") -> str | None:
     """The first differing field between two settings dicts, as 'field was OLD, this run has NEW'."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
+        for key in [*new, *(k for k in old if k not in new)]:  # in the manifest's order: policy before models
             d = settings_diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
             if d:
                 return d

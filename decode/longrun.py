@@ -26,7 +26,7 @@ import jax
 from tqdm import tqdm
 
 from decode.bench import _policies
-from decode.common import Parser, add_model_args, load_models, positive_int, run
+from decode.common import Parser, add_model_args, check_output_path, load_models, positive_int, run
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder
 from taps_jax.engine.ar import ar_generate
 from taps_jax.engine.batching import bucket
@@ -109,6 +109,7 @@ def decode_all(decoder, prompts, max_new_tokens: int, desc: str) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_output_path(args.json)  # before the long run, not after it
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
     models = load_models(args)
     prompts = same_bucket(models.target, [r.prompt for r in read_prompt_file(prompts_file)], args.num_prompts)

@@ -49,14 +49,54 @@ def test_read_job_prompts_ids_and_errors(tmp_path):
         jobs.read_prompt_file(f)
 
 
-def test_recover_output_cuts_a_torn_tail(tmp_path):
+@pytest.mark.parametrize("line, message", [
+    (b'{"prompt": "caf\xe9"}', r"in.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\); prompts are UTF-8 text; "
+                                r"for raw token ids use \{\"ids\": \[...\]\} lines$"),
+    (b'{"prompt": "x\\ud800"}', r"in.jsonl:2: the prompt is not valid UTF-8 text \(unpaired surrogate \\ud800 at "
+                                 r"character 2\); .*\{\"ids\": \[...\]\}"),
+    # The reason is whole ("Invalid control character at" alone ends mid-sentence) and says where.
+    (b'{"prompt": "a\tb"}', r"in.jsonl:2: malformed JSON \(Invalid control character at column 14\); each line "
+                            r"must be \{\"prompt\": \"...\"\} \(or \{\"ids\": \[...\]\}\) with an optional \"id\"$"),
+])
+def test_prompt_file_errors_name_file_and_line_and_print_whole(tmp_path, line, message):
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"prompt": "ok"}\n' + line + b"\n")
+    with pytest.raises(ValueError, match=message):
+        jobs.read_prompt_file(f)
+
+
+def test_scan_output_trims_only_a_torn_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_bytes(b'{"id": 0, "text": "a"}\n\n{"id": "1", "text": "b"}\n{"id": 2, "te')
-    assert jobs.recover_output(out) == {"0", '"1"'}
-    assert out.read_bytes() == b'{"id": 0, "text": "a"}\n\n{"id": "1", "text": "b"}\n'
-    out.write_bytes(b'{"id": 0}\n{"id": 1}')  # complete JSON but no newline: the write was cut
-    assert jobs.recover_output(out) == {"0"} and out.read_bytes() == b'{"id": 0}\n'
-    assert jobs.recover_output(tmp_path / "missing.jsonl") == set()
+    ids = {jobs.prompt_key(i): 0 for i in (0, "1", 2)}
+    good = b'{"id": 0, "text": "a"}\n\n{"id": "1", "text": "b"}\n'
+    out.write_bytes(good + b'{"id": 2, "te')
+    assert jobs.scan_output(out, ids, "in.jsonl", None) == ({"0", '"1"'}, len(good))
+    out.write_bytes(b'{"id": 0}\n{"id": 2}')  # complete JSON but no newline: the write was cut
+    assert jobs.scan_output(out, ids, "in.jsonl", None) == ({"0"}, 10)
+    assert jobs.scan_output(tmp_path / "missing.jsonl", ids, "in.jsonl", None) == (set(), 0)
+    for data, message in [
+        (b'{"id": 0}\ngarbage\n{"id": 2}\n', r"out.jsonl:2: not a result line \(malformed JSON: Expecting value at "
+                                             r"column 1\); nothing was changed"),
+        (b'{"id": 0}\n[1]\n', r"out.jsonl:2: not a result line \(not an object with an \"id\"\)"),
+        (b'{"id": 0}\n{"id": 7}\n', r"out.jsonl:2: id 7 is not a prompt of in.jsonl; nothing was changed"),
+        (b'{"id": 0}\n{"id": "1"}\n{"id": 0}\n', r"out.jsonl:3: id 0 again \(first on line 1\)"),
+    ]:
+        out.write_bytes(data)
+        with pytest.raises(ValueError, match=message):
+            jobs.scan_output(out, ids, "in.jsonl", None)
+        assert out.read_bytes() == data
+
+
+def test_shards_split_the_prompts_by_id():
+    prompts = [jobs.PromptRecord(i, "p") for i in (5, "a", 3, 0, "b", 9, 1)]
+    parts = [jobs.Shard(i, 3).select(prompts) for i in range(3)]
+    assert sorted(jobs.prompt_key(p.id) for part in parts for p in part) == sorted(jobs.prompt_key(p.id) for p in prompts)
+    assert [len(part) for part in parts] == [3, 2, 2]
+    assert jobs.Shard(1, 3).select(prompts[::-1]) == parts[1][::-1]  # by id, not by line
+    assert jobs.Shard.parse("2/4") == jobs.Shard(2, 4) and str(jobs.Shard(2, 4)) == "2/4"
+    for bad, message in [("4/4", "need 0 <= I < N"), ("1", "expects I/N"), ("a/b", "expects I/N")]:
+        with pytest.raises(ValueError, match=message):
+            jobs.Shard.parse(bad)
 
 
 def test_plan_batches_by_length_bucket():
@@ -77,15 +117,60 @@ def test_run_job_writes_each_prompt_once_and_resumes(tmp_path):
     rows = {r["id"]: r for r in read_rows(out)}
     assert [rows[f"q{i}"]["token_ids"] for i in range(4)] == want
     assert all(r["num_tokens"] == NEW and r["finish_reason"] == "length" and r["tau"] == 1.0 for r in rows.values())
+    manifest = json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]
+    assert manifest["policy"] == "ar" and manifest["max_new_tokens"] == NEW and manifest["input"]["prompts"] == 4
+    assert manifest["budget"] is None and manifest["seed"] is None and set(manifest["models"]) == {"target"}
     # Drop one result and tear the next line: a rerun redoes exactly those two.
     lines = out.read_text().splitlines(keepends=True)
     out.write_text("".join(lines[:2]) + lines[2][:10])
     s = jobs.run_job(decoder, f, out, batch_size=2, max_new_tokens=NEW, progress=False)
     assert s["skipped"] == 2 and s["written"] == 2
     rows = read_rows(out)
+    assert out.read_text().startswith("".join(lines[:2]))
     assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(4)]
     assert {r["id"]: r["token_ids"] for r in rows} == {f"q{i}": want[i] for i in range(4)}
     assert jobs.run_job(decoder, f, out, batch_size=2, max_new_tokens=NEW, progress=False)["written"] == 0
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_run_job_refuses_what_is_not_its_own_and_force_new_moves_aside(tmp_path):
+    """The API form of the refusals: ValueError, and every file byte-identical (none created)."""
+    target, drafter = tiny_pair(VOCAB)
+    ar = SpeculativeDecoder(target, None, "ar")
+    f = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "ids": [1 + i, 2]} for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    jobs.run_job(ar, f, out, max_new_tokens=NEW, progress=False)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    other_target, _ = tiny_pair(VOCAB, seed=5)  # same shapes, other weights
+    cases = [
+        (lambda: jobs.run_job(ar, f, f, max_new_tokens=NEW, progress=False), "would overwrite the prompt file"),
+        (lambda: jobs.run_job(ar, f, tmp_path / "notes.txt", max_new_tokens=NEW, progress=False),
+         r"refusing to overwrite .*notes.txt: it has no job manifest \(notes.txt.job.json\)"),
+        (lambda: jobs.run_job(ar, f, out, max_new_tokens=NEW + 1, progress=False),
+         rf"out.jsonl was written with other settings \(max_new_tokens was {NEW}, this run has {NEW + 1}\); .*"
+         r"--force-new \(moves it and its manifest aside to out.jsonl.old1\)"),
+        (lambda: jobs.run_job(ar, f, out, max_new_tokens=NEW, temperature=1.0, progress=False),
+         r"temperature was 0.0, this run has 1.0"),
+        (lambda: jobs.run_job(SpeculativeDecoder(target, drafter, "chain", 4), f, out, max_new_tokens=NEW,
+                              progress=False), r"policy was 'ar', this run has 'chain'"),
+        (lambda: jobs.run_job(SpeculativeDecoder(other_target, None, "ar"), f, out, max_new_tokens=NEW,
+                              progress=False), r"models.target was '\w+', this run has '\w+'"),
+        (lambda: jobs.run_job(ar, f, out, max_new_tokens=NEW, temperature=float("nan"), progress=False),
+         "temperature must be a finite number"),
+    ]
+    before = snapshot(tmp_path)
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert snapshot(tmp_path) == before
+    jobs.run_job(ar, f, out, max_new_tokens=NEW + 1, force_new=True, progress=False)
+    after = snapshot(tmp_path)
+    assert after["out.jsonl.old1"] == before["out.jsonl"]
+    assert after["out.jsonl.old1.job.json"] == before["out.jsonl.job.json"]
+    assert all(r["num_tokens"] == NEW + 1 for r in read_rows(out)) and len(read_rows(out)) == 3
 
 
 def _free_port() -> int:

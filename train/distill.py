@@ -90,6 +90,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.api import Target, load_target
 from taps_jax.checkpoints.dflash import save_drafter
@@ -825,6 +826,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_output_path(args.out, directory=True)  # before any work
         return _main(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

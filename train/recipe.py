@@ -211,6 +211,14 @@ def main(argv=None) -> int:
     if args.corpus is not None and not args.corpus.is_dir():
         print(f"{p.prog}: error: --corpus {args.corpus} is not a directory; give a tree of .py files", file=sys.stderr)
         return 2
+    from decode.common import check_output_path
+
+    try:
+        for out in (args.work, args.assets):
+            check_output_path(out, directory=True)  # before any stage runs
+    except ValueError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     args.work.mkdir(parents=True, exist_ok=True)
     with corpus.root_override(args.corpus):  # every stage reads the corpus from there
         for name in STAGES:

@@ -31,6 +31,7 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm import tqdm
 
+from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
 from taps_jax.checkpoints.scorer import ScorerModel, save_scorer
@@ -403,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     sharding.add_mesh_args(p)
     args = p.parse_args(argv)
     try:
+        check_output_path(args.out, directory=True)  # before any work
         mesh = sharding.setup_mesh(args)
         config = ScorerTrainConfig(
             steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.api import Target
 from taps_jax.checkpoints.tokenizer import Tokenizer
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     sharding.add_mesh_args(p)
     args = p.parse_args(argv)
     try:
+        check_output_path(args.out, directory=True)  # before any work
         return _main(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

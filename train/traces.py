@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from decode.common import check_output_path
 from taps_jax.api import Target, load_target
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import bucket, encode_prompts, pad_batch
@@ -444,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         from taps_jax.decoder import load_drafter
+
+        check_output_path(args.out, directory=True)  # before any work
 
         config = TraceConfig(args.pool_width, args.pool_k, args.policy, args.budget, args.max_new_tokens,
                              args.max_prompt_len)
