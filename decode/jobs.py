@@ -241,6 +241,7 @@ def package_version() -> str:
 
 
 def build_manifest(settings: JobSettings, prompts_path, prompts: int, shard: Shard | None) -> dict:
+    """prompts: how many the input file holds (all shards together)."""
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -270,15 +271,15 @@ def read_manifest(file: Path) -> dict | None:
     return manifest
 
 
-def settings_diff(old, new, prefix: str = "") -> str | None:
-    """The first differing field between two settings dicts, as 'field was OLD, this run has NEW'."""
+def settings_diff(old, new, prefix: str = "") -> tuple[str, object, object] | None:
+    """The first differing field between two settings dicts: (dotted name, old value, new value)."""
     if isinstance(old, dict) and isinstance(new, dict):
         for key in [*new, *(k for k in old if k not in new)]:  # in the manifest's order: policy before models
             d = settings_diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
             if d:
                 return d
         return None
-    return None if old == new else f"{prefix} was {old!r}, this run has {new!r}"
+    return None if old == new else (prefix, old, new)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -295,12 +296,15 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 class JobLock:
-    """An exclusive `flock` on OUT.lock: held while the job runs, dropped by the OS when the process dies."""
+    """An exclusive `flock` on OUT.lock: held while the job runs, dropped by the OS when the process dies.
 
-    def __init__(self, path: Path, what: Path):
+    shared=True: a reader's lock (decode.merge), which no writer can take meanwhile; it records nothing.
+    """
+
+    def __init__(self, path: Path, what: Path, shared: bool = False):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as e:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process that just started"
             os.close(fd)
@@ -308,8 +312,9 @@ class JobLock:
                 raise ValueError(f"{what} is being written by another job ({holder}, lock {path}); one job per "
                                  "output: wait for it to end or stop it, or give this run another --out") from None
             raise ValueError(f"cannot lock {path} ({e.strerror}); put --out on a filesystem with file locks") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        if not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
@@ -388,7 +393,9 @@ def check_ownership(files: JobFiles, prompts_path, manifest: dict, force_new: bo
         return None
     diff = settings_diff(old.get("settings"), manifest["settings"])
     if diff:
-        raise ValueError(f"{files.out} was written with other settings ({diff}); to keep it, give this run another "
+        field, was, now = diff
+        raise ValueError(f"{files.out} was written with other settings ({field} was {was!r}, this run has {now!r}); "
+                         "to keep it, give this run another "
                          f"--out; to start over, pass --force-new (moves it and its manifest aside to "
                          f"{files.aside().out.name})")
     return old
@@ -461,11 +468,12 @@ def open_job(prompts_path, out_path, settings: JobSettings, *, shard: Shard | No
     all_prompts = read_prompt_file(prompts_path)
     prompts = shard.select(all_prompts) if shard else all_prompts
     files = JobFiles.beside(out_path)
+    manifest = build_manifest(settings, prompts_path, len(all_prompts), shard)
     main = jax.process_index() == 0
     error, lock, done = None, None, set()
     if main:
         try:
-            lock, done = _claim(files, prompts_path, prompts, settings, shard, force_new, progress)
+            lock, done = _claim(files, prompts_path, prompts, manifest, settings, shard, force_new, progress)
         except ValueError as e:
             error = e
     todo_mask = np.array([error is None] + [prompt_key(p.id) not in done for p in prompts])
@@ -481,10 +489,9 @@ def open_job(prompts_path, out_path, settings: JobSettings, *, shard: Shard | No
     return Job(files, settings, len(prompts), todo, lock, shard)
 
 
-def _claim(files: JobFiles, prompts_path, prompts, settings, shard, force_new, progress):
+def _claim(files: JobFiles, prompts_path, prompts, manifest, settings, shard, force_new, progress):
     """Process 0: the checks, the lock, then (under it) the checks again and the only changes a job makes."""
     check_output_path(files.out)
-    manifest = build_manifest(settings, prompts_path, len(prompts), shard)
     manifest = json.loads(json.dumps(manifest))  # compare as read back (tuples -> lists)
     check_ownership(files, prompts_path, manifest, force_new)  # before the lock: no lock file beside others' files
     lock = JobLock(files.lock, files.out)

@@ -53,8 +53,9 @@ def check_shards(shards: list[ShardOutput]) -> None:
     for s in shards[1:]:
         diff = settings_diff({**first.manifest["settings"], "shard": None}, {**s.manifest["settings"], "shard": None})
         if diff:
-            raise ValueError(f"{s.files.out} was decoded with other settings than {first.files.out} ({diff}); "
-                             "merge only shards of one job")
+            field, a, b = diff
+            raise ValueError(f"{s.files.out} was decoded with other settings than {first.files.out} ({field} {b!r} vs "
+                             f"{a!r}); merge only shards of one job")
     count = first.shard.count
     seen: dict[int, Path] = {}
     for s in shards:
@@ -110,17 +111,20 @@ def merge(outs: list[Path], out: Path, prompts: Path | None = None) -> dict:
     check_shards(shards)
     prompts_path = input_file(shards, prompts)
     all_prompts = read_prompt_file(prompts_path)
-    with ExitStack() as stack:  # no shard job may write while we read, and one merge per output
-        for s in shards:
-            stack.callback(JobLock(s.files.lock, s.files.out).release)
-        stack.callback(JobLock(target.lock, target.out).release)
+    with ExitStack() as stack:
+        for s in shards:  # no shard job may write while we read (their jobs left these lock files)
+            stack.callback(JobLock(s.files.lock, s.files.out, shared=True).release)
         lines: dict[str, bytes] = {}
         for s in shards:
             lines.update(shard_lines(s, prompts_path, {prompt_key(p.id) for p in s.shard.select(all_prompts)}))
         merged = b"".join(lines[prompt_key(p.id)] for p in all_prompts)  # input order
-        manifest = dict(shards[0].manifest)
-        manifest["settings"] = {**manifest["settings"], "shard": None}
-        manifest["input_path"] = str(prompts_path.resolve())
+        # All checked; now the only files we create: ALL, its manifest and lock (one merge per output).
+        stack.callback(JobLock(target.lock, target.out).release)
+        if target.out.exists() or target.manifest.exists():
+            raise ValueError(f"{target.out} appeared while merging (another merge?); give the merged file a new --out")
+        # The manifest an unsharded job over all of IN would have written.
+        settings = {**shards[0].manifest["settings"], "shard": None}
+        manifest = {**shards[0].manifest, "settings": settings, "input_path": str(prompts_path.resolve())}
         write_atomic(target.manifest, (json.dumps(manifest, indent=2) + "\n").encode())
         write_atomic(target.out, merged)
     return {"prompts": len(all_prompts), "shards": len(shards)}
