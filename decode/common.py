@@ -124,7 +124,8 @@ def model_part_dirs(args) -> dict[str, Path | None]:
     """
     base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
     if base is not None and not Path(base).is_dir():
-        raise ValueError(f"model directory {str(base)!r} does not exist; pass --model DIR or --target DIR --drafter DIR")
+        raise ValueError(f"model directory {str(base)!r} does not exist; pass --model DIR or --target DIR "
+                         "--drafter DIR")
 
     def part(flag, name):
         if flag is not None:

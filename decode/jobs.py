@@ -262,7 +262,8 @@ def read_manifest(file: Path) -> dict | None:
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not a readable job manifest ({e}); move it away (it is not ours to change)") from None
+        raise ValueError(f"{file}: not a readable job manifest ({e}); move it away (it is not ours to "
+                         "change)") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"{file}: not a taps-decode job manifest; move it away or choose another --out")
     if manifest.get("version") != MANIFEST_VERSION:
@@ -416,18 +417,19 @@ def move_aside(files: JobFiles) -> JobFiles | None:
 
 
 class Job:
-    """An opened job: its prompts still to do and, on process 0, the lock and the output descriptor.
+    """An opened job: its prompts still to do and, on process 0, the lock (and later the output descriptor).
 
+    new_manifest: the manifest of a new output, written just before its first
+    line, so a job that fails before decoding anything (a model that does not
+    load) leaves no output and no manifest behind, only the lock file.
     Use as a context manager (or call close()): the lock is held until then.
     """
 
     def __init__(self, files: JobFiles, settings: JobSettings, prompts: int, todo: list[PromptRecord],
-                 lock: JobLock | None, shard: Shard | None):
+                 lock: JobLock | None, shard: Shard | None, new_manifest: bytes | None = None):
         self.files, self.settings, self.prompts, self.todo = files, settings, prompts, todo
-        self.lock, self.shard = lock, shard
+        self.lock, self.shard, self.new_manifest = lock, shard, new_manifest
         self.fd = None
-        if lock is not None and todo:
-            self.fd = os.open(files.out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     @property
     def skipped(self) -> int:
@@ -435,8 +437,13 @@ class Job:
 
     def append(self, lines: list[str]) -> None:
         """One write of whole lines, then fsync: an interruption can only tear the last line."""
-        if self.fd is None:
+        if self.lock is None:
             return  # not process 0
+        if self.fd is None:
+            if self.new_manifest is not None:
+                write_atomic(self.files.manifest, self.new_manifest)
+                self.new_manifest = None
+            self.fd = os.open(self.files.out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         view = memoryview("".join(lines).encode("utf-8"))
         while view:
             view = view[os.write(self.fd, view):]
@@ -470,10 +477,11 @@ def open_job(prompts_path, out_path, settings: JobSettings, *, shard: Shard | No
     files = JobFiles.beside(out_path)
     manifest = build_manifest(settings, prompts_path, len(all_prompts), shard)
     main = jax.process_index() == 0
-    error, lock, done = None, None, set()
+    error, lock, done, new_manifest = None, None, set(), None
     if main:
         try:
-            lock, done = _claim(files, prompts_path, prompts, manifest, settings, shard, force_new, progress)
+            lock, done, new_manifest = _claim(files, prompts_path, prompts, manifest, settings, shard, force_new,
+                                              progress)
         except ValueError as e:
             error = e
     todo_mask = np.array([error is None] + [prompt_key(p.id) not in done for p in prompts])
@@ -486,11 +494,14 @@ def open_job(prompts_path, out_path, settings: JobSettings, *, shard: Shard | No
     if not todo_mask[0]:
         raise ValueError(f"process 0 refused the job on {files.out} (its error says why); nothing was changed")
     todo = [p for p, left in zip(prompts, todo_mask[1:]) if left]
-    return Job(files, settings, len(prompts), todo, lock, shard)
+    return Job(files, settings, len(prompts), todo, lock, shard, new_manifest)
 
 
 def _claim(files: JobFiles, prompts_path, prompts, manifest, settings, shard, force_new, progress):
-    """Process 0: the checks, the lock, then (under it) the checks again and the only changes a job makes."""
+    """Process 0: the checks, the lock, then (under it) the checks again and the repairs a job may make.
+
+    Returns (lock, ids already done, the manifest to write before the first line of a new output).
+    """
     check_output_path(files.out)
     manifest = json.loads(json.dumps(manifest))  # compare as read back (tuples -> lists)
     check_ownership(files, prompts_path, manifest, force_new)  # before the lock: no lock file beside others' files
@@ -507,13 +518,11 @@ def _claim(files: JobFiles, prompts_path, prompts, manifest, settings, shard, fo
             if moved and progress:
                 tqdm.write(f"--force-new: moved the old {files.out} and its manifest to {moved.out}", file=sys.stderr)
             old = None
-        if old is None:
-            write_atomic(files.manifest, (json.dumps(manifest, indent=2) + "\n").encode())
         _trim(files.out, keep, progress)
     except BaseException:
         lock.release()
         raise
-    return lock, done
+    return lock, done, None if old is not None else (json.dumps(manifest, indent=2) + "\n").encode()
 
 
 def _trim(path: Path, keep: int, progress: bool) -> None:

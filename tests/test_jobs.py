@@ -90,7 +90,8 @@ def test_scan_output_trims_only_a_torn_last_line(tmp_path):
 def test_shards_split_the_prompts_by_id():
     prompts = [jobs.PromptRecord(i, "p") for i in (5, "a", 3, 0, "b", 9, 1)]
     parts = [jobs.Shard(i, 3).select(prompts) for i in range(3)]
-    assert sorted(jobs.prompt_key(p.id) for part in parts for p in part) == sorted(jobs.prompt_key(p.id) for p in prompts)
+    keys = sorted(jobs.prompt_key(p.id) for p in prompts)
+    assert sorted(jobs.prompt_key(p.id) for part in parts for p in part) == keys
     assert [len(part) for part in parts] == [3, 2, 2]
     assert jobs.Shard(1, 3).select(prompts[::-1]) == parts[1][::-1]  # by id, not by line
     assert jobs.Shard.parse("2/4") == jobs.Shard(2, 4) and str(jobs.Shard(2, 4)) == "2/4"
