@@ -303,7 +303,11 @@ class JobLock:
     """
 
     def __init__(self, path: Path, what: Path, shared: bool = False):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ValueError(f"cannot open the lock file {path} ({e.strerror}); it is not ours: move it away or "
+                             "give the results another --out") from None
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as e:
@@ -327,10 +331,10 @@ class JobLock:
 # --------------------------------------------------------------------------- the output's own state
 
 
-def scan_output(path: Path, ids: dict[str, int], prompts_path, shard: Shard | None) -> tuple[set[str], int]:
+def scan_output(path: Path, ids: set[str], prompts_path, shard: Shard | None) -> tuple[set[str], int]:
     """(ids already written, bytes to keep) of our own output; ValueError on anything we did not write.
 
-    ids: prompt_key -> position of the prompts this job decodes. Every line
+    ids: the prompt_keys of the prompts this job decodes. Every line
     ending in a newline must be a result line of one of them, each at most
     once; what follows the last newline (a torn write) is the only thing
     a resume may cut, so `keep` is the offset of that tail.
@@ -396,9 +400,8 @@ def check_ownership(files: JobFiles, prompts_path, manifest: dict, force_new: bo
     if diff:
         field, was, now = diff
         raise ValueError(f"{files.out} was written with other settings ({field} was {was!r}, this run has {now!r}); "
-                         "to keep it, give this run another "
-                         f"--out; to start over, pass --force-new (moves it and its manifest aside to "
-                         f"{files.aside().out.name})")
+                         "to keep it, give this run another --out; to start over, pass --force-new (moves it and its "
+                         f"manifest aside to {files.aside().out.name})")
     return old
 
 
@@ -508,7 +511,7 @@ def _claim(files: JobFiles, prompts_path, prompts, manifest, settings, shard, fo
     lock = JobLock(files.lock, files.out)
     try:
         old = check_ownership(files, prompts_path, manifest, force_new)  # another job may have started meanwhile
-        ids = {prompt_key(p.id): i for i, p in enumerate(prompts)}
+        ids = {prompt_key(p.id) for p in prompts}
         done, keep = (set(), 0) if force_new else scan_output(files.out, ids, prompts_path, shard)
         left = len(prompts) - len(done)
         check_output_path(files.out, left * (settings.max_new_tokens * BYTES_PER_TOKEN + BYTES_PER_LINE))

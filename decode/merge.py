@@ -85,7 +85,7 @@ def input_file(shards: list[ShardOutput], prompts: Path | None) -> Path:
 
 def shard_lines(s: ShardOutput, prompts_path: Path, ids: set[str]) -> dict[str, bytes]:
     """id key -> its result line (verbatim) of one finished shard."""
-    done, keep = scan_output(s.files.out, {k: 0 for k in ids}, prompts_path, s.shard)
+    done, keep = scan_output(s.files.out, ids, prompts_path, s.shard)
     data = s.files.out.read_bytes()
     if keep < len(data):
         raise ValueError(f"{s.files.out} ends in a torn line: its job was interrupted; rerun it to finish")

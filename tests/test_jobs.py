@@ -67,7 +67,7 @@ def test_prompt_file_errors_name_file_and_line_and_print_whole(tmp_path, line, m
 
 def test_scan_output_trims_only_a_torn_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
-    ids = {jobs.prompt_key(i): 0 for i in (0, "1", 2)}
+    ids = {jobs.prompt_key(i) for i in (0, "1", 2)}
     good = b'{"id": 0, "text": "a"}\n\n{"id": "1", "text": "b"}\n'
     out.write_bytes(good + b'{"id": 2, "te')
     assert jobs.scan_output(out, ids, "in.jsonl", None) == ({"0", '"1"'}, len(good))
