@@ -123,6 +123,9 @@ def model_part_dirs(args) -> dict[str, Path | None]:
     --temperature; None where a part is absent.
     """
     base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
+    if base == DEFAULT_MODEL_DIR and not base.is_dir():
+        raise ValueError(f"the embedded default model set is not installed ({base} is missing); "
+                         "pass --model DIR or --target DIR --drafter DIR, or build it with python -m train.recipe")
     if base is not None and not Path(base).is_dir():
         raise ValueError(f"model directory {str(base)!r} does not exist; pass --model DIR or --target DIR "
                          "--drafter DIR")

@@ -229,8 +229,8 @@ def test_multi_host_job_refused_by_process_0_stops_every_process(setup, tmp_path
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
     port = _free_port()
-    hosts = [subprocess.Popen(job_cmd(root, notes) + ["--mesh", "2,1", "--distributed", "--coordinator",
-                                                      f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+    flags = ["--mesh", "2,1", "--distributed", "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+    hosts = [subprocess.Popen(job_cmd(root, notes) + flags + ["--process-id", str(i)],
                               cwd=REPO, env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
