@@ -92,8 +92,6 @@ def check_output_path(path, expected_bytes: int = 0, *, directory: bool = False)
         raise ValueError(f"{path} exists and is not a directory; give a directory (or a new name) for the output")
     if not directory and path.is_dir():
         raise ValueError(f"{path} is a directory; give a file name for the output")
-    if not directory and path.exists() and not path.is_file():
-        raise ValueError(f"{path} is not a regular file; give a file name for the output")
     folder = path if directory else path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent

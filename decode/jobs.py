@@ -387,6 +387,9 @@ def check_ownership(files: JobFiles, prompts_path, manifest: dict, force_new: bo
         if _same_file(f, Path(prompts_path)):
             raise ValueError(f"--out {files.out} would overwrite the prompt file {prompts_path} ({f} is that "
                              "file); give the results another path")
+    if files.out.exists() and not files.out.is_file():
+        raise ValueError(f"{files.out} is not a regular file; a job appends to, locks and repairs its output: "
+                         "give a file path")
     old = read_manifest(files.manifest)
     if force_new:
         return old

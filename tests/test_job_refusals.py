@@ -125,6 +125,7 @@ CASES = [
     ("out under a file", lambda d: ["--out", d / "in.jsonl" / "out.jsonl"],
      r"cannot write .*in.jsonl/out.jsonl: .*in.jsonl is not a directory; choose another output path"),
     ("out is a directory", lambda d: ["--out", d], r"job is a directory; give a file name for the output"),
+    ("out is a device", lambda d: ["--out", "/dev/null"], r"/dev/null is not a regular file; .* give a file path"),
     ("shard out of range", lambda d: ["--shard", "2/2"], r"argument --shard: shard 2/2: need 0 <= I < N"),
     ("scorer fitted on another target", _foreign_scorer,
      r"the scorer .*foreign_scorer was fitted on another target \(the embedding entries it recorded, .*, are not "
