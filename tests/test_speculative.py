@@ -12,8 +12,8 @@ from taps_jax.decoder import SpeculativeDecoder
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import pad_batch
 from taps_jax.engine.prefill import prefill
-from taps_jax.engine.speculative import SpecConfig, spec_generate
-from taps_jax.models.drafter import DrafterCache, draft_logits
+from taps_jax.engine.speculative import SpecConfig, prefill_both, spec_generate
+from taps_jax.models.drafter import draft_logits
 from taps_jax.tree.accept import accept_walk
 from taps_jax.tree.policies import TreeConfig, draft_tree
 from taps_jax.tree.select import ancestor_mask
@@ -63,10 +63,8 @@ def test_commit_matches_causal_refeed():
     model, dmodel = target.model, drafter.module
     prompt, lens, _ = pad_batch(PROMPTS[:2], 64)
     prompt, lens = jnp.asarray(prompt), jnp.asarray(lens)
-    taps = dmodel.config.target_layer_ids
-    logits, ptaps, cache = prefill(model, prompt, lens, 64, taps)
+    logits, cache, dcache = prefill_both(model, dmodel, prompt, lens, DecodeConfig(8, 64))
     bonus = jnp.argmax(logits, -1).astype(jnp.int32)
-    dcache = dmodel.append_context(ptaps, lens, DrafterCache.zeros(dmodel.config, 2, 64))
     Kb = dmodel.config.block_size
     block = jnp.concatenate([bonus[:, None], jnp.full((2, Kb - 1), dmodel.config.mask_token_id)], 1)
     pos = lens[:, None] + jnp.arange(Kb)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taps_jax.engine.prefill import RUNNING, prefill, stop_reason
+from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING, prefill, stop_reason
 from taps_jax.engine.sampling import SamplingConfig, sample
 from taps_jax.models.cache import KVCache
 
@@ -27,6 +27,7 @@ class DecodeConfig:
     capacity: int  # KV-cache slots per sequence (prompt + generated)
     sampling: SamplingConfig = SamplingConfig()
     eos_ids: tuple[int, ...] = ()
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step
 
 
 @flax.struct.dataclass
@@ -48,7 +49,7 @@ def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, con
     model = nnx.merge(graphdef, params)
     B = prompt_BT.shape[0]
     N = config.max_new_tokens
-    logits_BV, _, cache = prefill(model, prompt_BT, prompt_len_B, config.capacity)
+    logits_BV, _, cache = prefill(model, prompt_BT, prompt_len_B, config.capacity, chunk=config.prefill_chunk)
     key, sub = jax.random.split(key)
     first_B = sample(logits_BV, sub, config.sampling)
     generated_B = jnp.ones((B,), jnp.int32)

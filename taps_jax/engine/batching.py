@@ -76,7 +76,7 @@ def pad_batch(ids: Sequence[Sequence[int]], capacity: int, min_batch: int = 1):
             f"prompt {i} has {longest} tokens but the cache holds {capacity} (capacity); "
             "shorten the prompt or raise capacity"
         )
-    T = min(bucket(longest), capacity)
+    T = bucket(longest)  # the prompt buffer only; prefill runs whole chunks up to the longest prompt
     B = bucket(len(ids), minimum=min_batch)
     prompt = np.zeros((B, T), np.int32)
     lens = np.zeros((B,), np.int32)

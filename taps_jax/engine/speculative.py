@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from taps_jax.engine.ar import DecodeConfig
-from taps_jax.engine.prefill import RUNNING, prefill, stop_reason
+from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
 from taps_jax.engine.sampling import sample
 from taps_jax.models.cache import KVCache
 from taps_jax.sharding import constrain_batch, constrain_kv_cache
@@ -81,24 +81,40 @@ def _sizes(drafter, config: SpecConfig) -> tuple[int, int, int]:
     return H, T, min(H + 1, T)
 
 
+def prefill_both(target, drafter, prompt_BT, prompt_len_B, config: DecodeConfig):
+    """Chunked prefill of the target that feeds each chunk's tap features straight to the drafter's context.
+
+    Returns (logits [B, V] at each prompt's last token, target cache, drafter cache).
+    """
+    B, T = prompt_BT.shape
+    slots = cache_slots(config.capacity, T, config.prefill_chunk)
+
+    def absorb(dcache, taps_BCF, start, count_B):
+        return drafter.append_context(taps_BCF, count_B, dcache, start)
+
+    logits_BV, dcache, cache = prefill(
+        target, prompt_BT, prompt_len_B, config.capacity, drafter.config.target_layer_ids,
+        chunk=config.prefill_chunk, absorb=absorb, carry=DrafterCache.zeros(drafter.config, B, slots),
+    )
+    return logits_BV, cache, dcache
+
+
 def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig) -> SpecState:
     """Prefill: the prompt fills the target cache and the drafter's context; sample the first token."""
     dc = config.decode
     B = prompt_BT.shape[0]
     N = dc.max_new_tokens
     _, T, A = _sizes(drafter, config)
-    taps = drafter.config.target_layer_ids
-    logits_BV, prompt_taps_BTF, cache = prefill(target, prompt_BT, prompt_len_B, dc.capacity, taps)
-    dcache = DrafterCache.zeros(drafter.config, B, dc.capacity)
-    dcache = drafter.append_context(prompt_taps_BTF, prompt_len_B, dcache)
+    logits_BV, cache, dcache = prefill_both(target, drafter, prompt_BT, prompt_len_B, dc)
     key, sub = jax.random.split(key)
     bonus_B = sample(logits_BV, sub, dc.sampling)
     generated_B = jnp.ones((B,), jnp.int32)
     finish_B = stop_reason(bonus_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
+    taps_F = len(drafter.config.target_layer_ids) * target.config.hidden_size
     return _pin(SpecState(
         cache=cache,
         dcache=dcache,
-        ctx_taps_BAF=jnp.zeros((B, A, prompt_taps_BTF.shape[-1]), prompt_taps_BTF.dtype),
+        ctx_taps_BAF=jnp.zeros((B, A, taps_F), target.config.jnp_dtype),
         ctx_count_B=jnp.zeros((B,), jnp.int32),
         bonus_B=bonus_B,
         out_BN=jnp.zeros((B, N + A), jnp.int32).at[:, 0].set(bonus_B),

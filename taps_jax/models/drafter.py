@@ -11,9 +11,10 @@ values in every layer (it skips the layer's input norm) and is never a query.
 Because context K/V depend only on the context, they are cached
 (`DrafterCache`); block K/V never are.
 
-All attention goes through `Drafter.forward_masked`, which takes a general
-visibility mask over [context; block] keys: inference uses "all valid context
-+ the whole block", training uses an anchor-keyed mask (DESIGN 4).
+Inference (`Drafter.__call__`) attends to the cached context blockwise plus
+the whole block (`layers.attend_cached`); training and parity checks use
+`Drafter.forward_masked`, dense attention under a general visibility mask
+over [context; block] keys (an anchor-keyed mask for training, DESIGN 4).
 Attribute names follow the checkpoint (fc, hidden_norm, layers.{i}..., norm).
 """
 
@@ -25,46 +26,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from taps_jax.config import DrafterConfig
-from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, linear, rope_inv_freq
+from taps_jax.models.cache import KVCache
+from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq
 
 
 @flax.struct.dataclass
-class DrafterCache:
+class DrafterCache(KVCache):
     """Per-layer K/V of the fused context only; slot c of sequence b holds position c.
 
     Slots [0, lengths[b]) are valid and equal the target's committed tokens
-    (the drafter has seen the tap features of all of them).
+    (the drafter has seen the tap features of all of them). Same layout and
+    in-place writes as the target's `KVCache` (built from a DrafterConfig).
     """
-
-    k_LBCKH: jax.Array  # [drafter layers, batch, capacity, kv_heads, head_dim]
-    v_LBCKH: jax.Array  # [drafter layers, batch, capacity, kv_heads, head_dim]
-    lengths_B: jax.Array  # [batch] int32, context tokens cached
-
-    @classmethod
-    def zeros(cls, config: DrafterConfig, batch: int, capacity: int) -> "DrafterCache":
-        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
-        return cls(
-            k_LBCKH=jnp.zeros(shape, config.jnp_dtype),
-            v_LBCKH=jnp.zeros(shape, config.jnp_dtype),
-            lengths_B=jnp.zeros((batch,), jnp.int32),
-        )
-
-    @property
-    def capacity(self) -> int:
-        return self.k_LBCKH.shape[2]
-
-    def write(self, k_LBTKH, v_LBTKH) -> "DrafterCache":
-        """Write T new context K/V at slots [lengths, lengths + T); past capacity is dropped."""
-        T = k_LBTKH.shape[2]
-
-        def one(cache_LCKH, new_LTKH, start):
-            return cache_LCKH.at[:, start + jnp.arange(T)].set(new_LTKH, mode="drop")
-
-        write_B = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)
-        return self.replace(
-            k_LBCKH=write_B(self.k_LBCKH, k_LBTKH.astype(self.k_LBCKH.dtype), self.lengths_B),
-            v_LBCKH=write_B(self.v_LBCKH, v_LBTKH.astype(self.v_LBCKH.dtype), self.lengths_B),
-        )
 
 
 class DrafterAttention(nnx.Module):
@@ -87,15 +60,27 @@ class DrafterAttention(nnx.Module):
         v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
         return apply_rope(k, positions_BT, inv_freq), v
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
-        """x_BTD: normed block states; mask_BTR over R = S context + T block keys."""
+    def _block_qkv(self, x_BTD, positions_BT, inv_freq):
         B, T, _ = x_BTD.shape
         q = self.q_norm(self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim))
-        q = apply_rope(q, positions_BT, inv_freq)
         k, v = self.key_value(x_BTD, positions_BT, inv_freq)
+        return apply_rope(q, positions_BT, inv_freq), k, v
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
+        """Dense (training): x_BTD normed block states; mask_BTR over R = S context + T block keys."""
+        B, T, _ = x_BTD.shape
+        q, k, v = self._block_qkv(x_BTD, positions_BT, inv_freq)
         keys = jnp.concatenate([ctx_k_BSKH.astype(k.dtype), k], axis=1)
         values = jnp.concatenate([ctx_v_BSKH.astype(v.dtype), v], axis=1)
         out_BTNH = attend(q, keys, values, mask_BTR)
+        return self.o_proj(out_BTNH.reshape(B, T, -1))
+
+    def cached(self, x_BTD, positions_BT, inv_freq, cache: "DrafterCache", layer: int):
+        """Inference: the block sees cached context slots [0, lengths) and the whole block, blockwise."""
+        B, T, _ = x_BTD.shape
+        q, k, v = self._block_qkv(x_BTD, positions_BT, inv_freq)
+        everything_BTT = jnp.ones((B, T, T), bool)
+        out_BTNH, _ = attend_cached(q, k, v, everything_BTT, cache, layer)  # read only: nothing writes after
         return self.o_proj(out_BTNH.reshape(B, T, -1))
 
 
@@ -108,8 +93,15 @@ class DrafterLayer(nnx.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
 
     def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
+        """Dense attention under a [context; block] visibility mask (training)."""
         h = self.input_layernorm(x_BTD)
         x_BTD = x_BTD + self.self_attn(h, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR)
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+
+    def cached(self, x_BTD, positions_BT, inv_freq, cache: "DrafterCache", layer: int):
+        """Blockwise attention over the cached context + the whole block (inference)."""
+        h = self.input_layernorm(x_BTD)
+        x_BTD = x_BTD + self.self_attn.cached(h, positions_BT, inv_freq, cache, layer)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
@@ -146,20 +138,21 @@ class Drafter(nnx.Module):
             x_BTD = layer(x_BTD, positions_BT, inv_freq, ctx_k_LBSKH[i], ctx_v_LBSKH[i], mask_BTR)
         return self.norm(x_BTD)
 
-    def append_context(self, taps_BCF, count_B, cache: DrafterCache) -> DrafterCache:
+    def append_context(self, taps_BCF, count_B, cache: DrafterCache, start=None) -> DrafterCache:
         """Add new context tokens to the cache.
 
         taps_BCF: target tap features [B, C, n_taps*D] of the tokens committed
         since the last call (C static, right-padded; the first count_B[b] are
-        valid). They sit at absolute positions lengths + c. All C are written
-        at slots [lengths, lengths + C) (dropped past capacity); the padding
-        lands beyond the new lengths, so it stays invisible and is overwritten
-        by the next call. lengths += count_B.
+        valid). They sit at absolute positions lengths + c, or start + c when
+        `start` (a scalar slot shared by the batch, as for a prefill chunk) is
+        given. All C are written in place at those slots (dropped past
+        capacity); the padding lands beyond the new lengths, so it stays
+        invisible and is overwritten later. lengths += count_B.
         """
-        B, C, _ = taps_BCF.shape
-        positions_BC = cache.lengths_B[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-        k_LBCKH, v_LBCKH = self.context_kv(taps_BCF, positions_BC)
-        cache = cache.write(k_LBCKH, v_LBCKH)
+        C = taps_BCF.shape[1]
+        first_B1 = cache.lengths_B[:, None] if start is None else jnp.full((taps_BCF.shape[0], 1), start, jnp.int32)
+        k_LBCKH, v_LBCKH = self.context_kv(taps_BCF, first_B1 + jnp.arange(C, dtype=jnp.int32)[None, :])
+        cache = cache.write(k_LBCKH, v_LBCKH, start)
         return cache.replace(lengths_B=cache.lengths_B + count_B.astype(cache.lengths_B.dtype))
 
     def __call__(self, block_embeds_BKD, block_positions_BK, cache: DrafterCache):
@@ -168,16 +161,16 @@ class Drafter(nnx.Module):
         block_embeds_BKD: the block embedded with the target's table;
         block_positions_BK: its absolute positions (normally lengths + k).
         Queries come from the block only; keys/values are the cached context
-        slots < lengths plus the whole block, with no mask among block tokens.
+        slots < lengths plus the whole block, with no mask among block tokens
+        (blockwise over the cache, `layers.attend_cached`).
         Returns the final-normed hidden states [B, Kb, D]; apply the target's
         lm_head (see `draft_logits`).
         """
-        B, K, _ = block_embeds_BKD.shape
-        valid_BC = jnp.arange(cache.capacity)[None, :] < cache.lengths_B[:, None]
-        mask_BKR = jnp.concatenate(
-            [jnp.broadcast_to(valid_BC[:, None, :], (B, K, cache.capacity)), jnp.ones((B, K, K), bool)], axis=-1
-        )
-        return self._run(block_embeds_BKD, block_positions_BK, cache.k_LBCKH, cache.v_LBCKH, mask_BKR)
+        inv_freq = self._inv_freq()
+        x_BKD = block_embeds_BKD.astype(self.config.jnp_dtype)
+        for i, layer in enumerate(self.layers):
+            x_BKD = layer.cached(x_BKD, block_positions_BK, inv_freq, cache, i)
+        return self.norm(x_BKD)
 
     def forward_masked(self, block_embeds_BTD, block_positions_BT, taps_BCF, ctx_positions_BC, mask_BTR):
         """The general forward: T block tokens against C context tokens, any visibility.

@@ -1,10 +1,12 @@
 """Decoder-only target transformer (Qwen3 / Llama 3 / Qwen2) with a KV cache.
 
-One entry point, `Transformer.__call__`, serves prefill, one-token decoding
-and tree verification: it takes a chunk of T new tokens per sequence with
-explicit positions and a visibility mask among the new tokens; each new token
-also sees the committed cache slots [0, lengths). Module and attribute names
-follow the Hugging Face layout so checkpoint mapping is mechanical.
+One entry point, `Transformer.__call__` (`hidden` without the head), serves
+prefill chunks, one-token decoding and tree verification: it takes a chunk of
+T new tokens per sequence with explicit positions and a visibility mask among
+the new tokens; each new token also sees the committed cache slots
+[0, lengths). Each layer writes the chunk's K/V into the cache in place, then
+attends blockwise (`layers.attend_cached`). Module and attribute names follow
+the Hugging Face layout so checkpoint mapping is mechanical.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from flax import nnx
 
 from taps_jax.config import ModelConfig
 from taps_jax.models.cache import KVCache
-from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, linear, rope_inv_freq
+from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq
 
 
 class Attention(nnx.Module):
@@ -51,16 +53,19 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, past_k_BSKH, past_v_BSKH, mask_BTS):
-        """Returns the layer output and this chunk's K/V (to be cached)."""
+    def __call__(self, x_BTD, positions_BT, inv_freq, mask_BTT, cache: KVCache | None, layer: int, write_at):
+        """Returns the layer output and the cache holding this chunk's K/V (None without a cache)."""
         B, T, _ = x_BTD.shape
         q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), positions_BT, inv_freq)
-        keys = k if past_k_BSKH is None else jnp.concatenate([past_k_BSKH, k], axis=1)
-        values = v if past_v_BSKH is None else jnp.concatenate([past_v_BSKH, v], axis=1)
-        attn_BTNH = attend(q, keys, values, mask_BTS)
+        if cache is None:
+            attn_BTNH = attend(q, k, v, mask_BTT)
+        else:
+            # Write first (in place), then attend to committed slots + the new tokens: no cache copy.
+            cache = cache.write_layer(layer, k, v, write_at)
+            attn_BTNH, cache = attend_cached(q, k, v, mask_BTT, cache, layer)
         x_BTD = x_BTD + self.self_attn.o_proj(attn_BTNH.reshape(B, T, -1))
         x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
-        return x_BTD, k, v
+        return x_BTD, cache
 
 
 class Transformer(nnx.Module):
@@ -93,6 +98,32 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(x_BTD).astype(jnp.float32)
         return self.lm_head(x_BTD).astype(jnp.float32)
 
+    def hidden(self, tokens_BT, positions_BT, mask_BTT, cache: KVCache | None = None, taps: tuple[int, ...] = (),
+               write_at=None):
+        """The layer stack over a chunk of new tokens, without the head.
+
+        tokens_BT, positions_BT: int32 [B, T]. mask_BTT: bool [B, T, T], which
+        new tokens each new token sees (causal for prefill, ancestor-only for a
+        tree). With a cache, every new token also sees committed slots
+        [0, lengths), and the chunk's K/V are written in place at
+        [lengths, lengths + T), or at [write_at, write_at + T) for every
+        sequence when `write_at` (a scalar slot) is given. taps: static layer
+        ids whose OUTPUTS are returned, concatenated [B, T, len(taps) * D].
+
+        Returns (last layer's output [B, T, D] before the final norm, taps or None, cache).
+        """
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        x_BTD = self.embed(tokens_BT)
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            x_BTD, cache = layer(x_BTD, positions_BT, inv_freq, mask_BTT, cache, i, write_at)
+            if i in taps:
+                # HF hidden_states[L] (what DFlash reads) is the final-normed output of the last layer.
+                tapped[i] = self.norm(x_BTD) if i == c.num_layers - 1 else x_BTD
+        taps_BTF = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        return x_BTD, taps_BTF, cache
+
     def __call__(
         self,
         tokens_BT,
@@ -102,45 +133,14 @@ class Transformer(nnx.Module):
         taps: tuple[int, ...] = (),
         logits_index_BI=None,
     ):
-        """Forward a chunk of new tokens.
+        """Forward a chunk of new tokens (see `hidden`) and apply the head.
 
-        tokens_BT, positions_BT: int32 [B, T]. mask_BTT: bool [B, T, T], which
-        new tokens each new token sees (causal for prefill, ancestor-only for a
-        tree). With a cache, every new token also sees committed slots
-        [0, lengths) and the chunk's K/V are written at [lengths, lengths+T).
-        taps: static layer ids whose OUTPUTS are returned, concatenated
-        [B, T, len(taps) * D]. logits_index_BI: optional [B, I] positions whose
-        logits are wanted (saves the [B, T, V] head for long prefills).
+        logits_index_BI: optional [B, I] positions whose logits are wanted
+        (saves the [B, T, V] head when only a few rows matter).
 
         Returns (logits [B, T or I, V] float32, taps [B, T, n*D] or None, cache).
         """
-        c = self.config
-        B, T = tokens_BT.shape
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        x_BTD = self.embed(tokens_BT)
-        if cache is None:
-            mask_BTS = mask_BTT
-        else:
-            cached_BS = jnp.arange(cache.capacity)[None, :] < cache.lengths_B[:, None]
-            mask_BTS = jnp.concatenate(
-                [jnp.broadcast_to(cached_BS[:, None, :], (B, T, cache.capacity)), mask_BTT], axis=-1
-            )
-        tap_outputs, new_k, new_v = [], [], []
-        for i, layer in enumerate(self.layers):
-            past_k = None if cache is None else cache.k_LBSKH[i]
-            past_v = None if cache is None else cache.v_LBSKH[i]
-            x_BTD, k, v = layer(x_BTD, positions_BT, inv_freq, past_k, past_v, mask_BTS)
-            new_k.append(k)
-            new_v.append(v)
-            if i in taps:
-                # HF hidden_states[L] (what DFlash reads) is the final-normed output of the last layer.
-                tap_outputs.append(self.norm(x_BTD) if i == c.num_layers - 1 else x_BTD)
-        if cache is not None:
-            cache = cache.write(jnp.stack(new_k), jnp.stack(new_v))
-        taps_BTF = None
-        if taps:
-            by_id = dict(zip([i for i in range(c.num_layers) if i in taps], tap_outputs))
-            taps_BTF = jnp.concatenate([by_id[i] for i in taps], axis=-1)
+        x_BTD, taps_BTF, cache = self.hidden(tokens_BT, positions_BT, mask_BTT, cache, taps)
         if logits_index_BI is not None:
             x_BTD = jnp.take_along_axis(x_BTD, logits_index_BI[..., None], axis=1)
         return self.head(x_BTD), taps_BTF, cache
