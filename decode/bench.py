@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -26,6 +27,8 @@ from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.engine.ar import ar_generate
+from taps_jax.engine.prefill import PREFILL_CHUNK
+from taps_jax.engine.sizing import plan_capacity
 
 
 def _int_list(text: str) -> list[int]:
@@ -34,7 +37,7 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"budgets must be positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
 
 
@@ -64,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-curve", action="store_true",
                    help="also time one target forward over T = 1, 2, 4, ... up to the largest tree and print "
                         "its cost relative to T = 1 (one AR step's forward): what this hardware charges per tree node")
+    p.add_argument("--prompt-tokens", type=_int_list, default=None, metavar="N1,N2,...",
+                   help="long-prompt mode: prompts of exactly these many tokens cut from held-out text; reports "
+                        "prefill ms and tokens/s, decode tokens/s after the prompt, tau and peak memory per row "
+                        "(--num-prompts prompts per length, default 1, decoded as one batch)")
+    p.add_argument("--text", type=Path, default=None, metavar="FILE",
+                   help="long-prompt mode: UTF-8 text to cut the prompts from (default: the held-out split of "
+                        "the stdlib corpus the embedded set never trained on)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="long-prompt mode: timed repeats per row, interleaved across rows (default 3; median, min, max)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per prefill step (default {PREFILL_CHUNK})")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of tau and speedup vs budget here")
     return p
@@ -108,11 +122,13 @@ def main(argv=None) -> int:
         raise ValueError("policy taps needs a scorer: pass --scorer DIR (train one with python -m train.scorer) or drop taps")
     # Check every configuration before any long work starts.
     configs = [(p, b) for p in spec_policies for b in args.budgets]
-    decoders = {(p, b): _decoder(models, p, b, args.temperature) for p, b in configs}
+    decoders = {(p, b): _decoder(models, p, b, args.temperature, args.prefill_chunk) for p, b in configs}
+    if args.prompt_tokens:
+        return _long_prompt_main(args, models, decoders)
     batches = _batches(prompts, args.batch_size)
     greedy = args.temperature == 0
 
-    ar = SpeculativeDecoder(models.target, None, "ar")
+    ar = SpeculativeDecoder(models.target, None, "ar", prefill_chunk=args.prefill_chunk)
     compiles0 = ar_generate._cache_size()
     ar_tokens, _, ar_seconds, ar_compile = _run(ar, batches, args, "ar")
     n_ar = sum(map(len, ar_tokens))
@@ -168,9 +184,37 @@ def main(argv=None) -> int:
     return 0
 
 
-def _decoder(models, policy, budget, temperature):
+def _decoder(models, policy, budget, temperature, prefill_chunk=PREFILL_CHUNK):
     extra = {"scorer": models.scorer_for(temperature)} if policy == "taps" else {}
-    return SpeculativeDecoder(models.target, models.drafter, policy, budget, **extra)
+    return SpeculativeDecoder(models.target, models.drafter, policy, budget, prefill_chunk=prefill_chunk, **extra)
+
+
+def _long_prompt_main(args, models, decoders) -> int:
+    """--prompt-tokens: prefill and decoding figures per prompt length (decode/long_prompts.py)."""
+    from decode.long_prompts import long_prompts, plot_rows, print_rows, run_long_prompts
+
+    prompts = long_prompts(models.target, args.prompt_tokens, args.num_prompts or 1, args.text)
+    rows = {("ar", None): SpeculativeDecoder(models.target, None, "ar", prefill_chunk=args.prefill_chunk), **decoders}
+    longest = prompts[max(prompts)]
+    for dec in rows.values():  # sizes of the longest prompt checked for every row before anything compiles
+        if dec.policy == "ar":
+            plan_capacity(len(longest[0]), args.max_new_tokens, 0, models.target.config)
+        else:
+            dec.prepare(longest, args.max_new_tokens)
+    results = run_long_prompts(rows, prompts, args.max_new_tokens, args.repeats, args.temperature, args.seed)
+    print_rows(results)
+    report = {"config": {"prompt_tokens": args.prompt_tokens, "num_prompts": args.num_prompts or 1,
+                         "text": str(args.text) if args.text else "held-out corpus",
+                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                         "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "dtype": args.dtype,
+                         "mesh": args.mesh, "device": jax.devices()[0].device_kind},
+              "long_prompts": results}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot_rows(results, args.plot)
+    return 0
 
 
 def _print_table(report) -> None:

@@ -21,6 +21,7 @@ from decode.common import (Parser, add_mesh_args, add_model_args, load_models, m
 from taps_jax import sharding
 from taps_jax.checkpoints.scorer import check_scorer_dir_for_target
 from taps_jax.decoder import POLICIES, SpeculativeDecoder
+from taps_jax.engine.prefill import PREFILL_CHUNK
 from taps_jax.prompt_file import check_text
 
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="keep the top-k tokens when sampling (default 0 = off)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}); prefill memory grows with "
+                        "chunk x context, so lower it for very long prompts on small devices")
     p.add_argument("--stats", action="store_true", help="print mean accepted length (tau), tokens/s and rounds")
     return p
 
@@ -95,6 +99,7 @@ def build_decoder(args, mesh) -> SpeculativeDecoder:
     if args.policy != "ar" and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/, or use --policy ar")
     return SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,
+                              prefill_chunk=args.prefill_chunk,
                               **({"scorer": scorer} if args.policy == "taps" else {}))
 
 

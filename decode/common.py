@@ -66,12 +66,16 @@ def load_models(args, mesh=None) -> ModelSet:
 
 
 def run(main, prog: str) -> None:
-    """Turn user errors (ValueError) into one line on stderr and exit status 2."""
+    """Turn user errors (ValueError) into one line on stderr and exit status 2, and an
+    out-of-memory that escaped the size checks (MemoryError, with the sizes) into one line and status 1."""
     try:
         sys.exit(main())
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except MemoryError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def check_output_path(path, expected_bytes: int = 0, *, directory: bool = False) -> Path | None:

@@ -18,9 +18,10 @@ from taps_jax.checkpoints.hf import (
 from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
 from taps_jax.config import ModelConfig
 from taps_jax.engine.ar import DecodeConfig, ar_generate
-from taps_jax.engine.batching import bucket, check_call, check_lengths, encode_prompts, pad_batch
-from taps_jax.engine.prefill import FINISH_NAMES
+from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, pad_batch
+from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
+from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity, raise_out_of_memory
 from taps_jax.models.transformer import Transformer
 
 
@@ -99,27 +100,34 @@ class Target:
         seed: int = 0,
         capacity: int | None = None,
         stop_at_eos: bool = True,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> GenerateResult:
         """Plain autoregressive decoding (batched; greedy when temperature is 0).
 
         prompts: a string, a list of strings, or lists of token ids.
-        capacity: KV-cache slots per sequence (default: the prompt + new tokens, bucketed).
+        capacity: KV-cache slots per sequence (default: the prompt + new tokens, bucketed;
+        at most the target's max_position_embeddings).
+        prefill_chunk: prompt tokens per prefill step (memory O(chunk x context)).
+        Sizes (context, memory) are checked before anything compiles.
         """
         check_lengths(max_new_tokens)
         sampling = SamplingConfig(temperature, top_k, top_p)
-        check_call(seed, capacity, stop_at_eos)
+        check_call(seed, capacity, stop_at_eos, prefill_chunk)
         ids = self.encode(prompts)
-        if capacity is None:
-            capacity = bucket(max(map(len, ids)) + max_new_tokens)
+        capacity = plan_capacity(max(map(len, ids)), max_new_tokens, 0, self.config, capacity)
         prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(self.mesh))
-        config = DecodeConfig(max_new_tokens, int(capacity), sampling, self.eos_ids if stop_at_eos else ())
+        estimate = estimate_memory(self.config, params_bytes(self.params), prompt.shape[0], prompt.shape[1],
+                                   capacity, chunk=prefill_chunk)
+        check_memory(estimate, self.mesh)
+        config = DecodeConfig(max_new_tokens, capacity, sampling, self.eos_ids if stop_at_eos else (), prefill_chunk)
         mesh = self.mesh
-        with sharding.use_mesh(mesh):
+        with sharding.use_mesh(mesh), raise_out_of_memory(estimate):
             out, n, finish = ar_generate(
                 self.graphdef, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
                 sharding.put_batch(active, mesh), jax.random.key(seed), config=config,
             )
-        return self._result(*map(sharding.to_host, (out, n, finish)), len(ids))
+            out, n, finish = map(sharding.to_host, (out, n, finish))
+        return self._result(out, n, finish, len(ids))
 
     def _result(self, out, n, finish, count, stats=None) -> GenerateResult:
         tokens = [out[b, : n[b]].tolist() for b in range(count)]

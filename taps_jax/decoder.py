@@ -16,8 +16,10 @@ from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_dr
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
 from taps_jax.engine.ar import DecodeConfig
-from taps_jax.engine.batching import bucket, check_call, check_lengths, pad_batch
+from taps_jax.engine.batching import check_call, check_lengths, pad_batch
+from taps_jax.engine.prefill import PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
+from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity, raise_out_of_memory
 from taps_jax.engine.speculative import SpecConfig, spec_generate
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
@@ -88,11 +90,15 @@ class SpeculativeDecoder:
     Default: the target's mesh (`load_target(path, mesh=...)`), i.e. one
     device for a target loaded without one. Tokens are the same as on one
     device.
+
+    prefill_chunk: prompt tokens per prefill step (default 512): a prompt is
+    run through the cache in chunks, so prefill memory is O(chunk x context).
+    Prompt length, context and memory are checked before anything compiles.
     """
 
     def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "ddtree", budget: int = 32,
                  lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None,
-                 mesh=None):
+                 mesh=None, prefill_chunk: int = PREFILL_CHUNK):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if not isinstance(target, Target):
@@ -100,6 +106,8 @@ class SpeculativeDecoder:
         if drafter is not None and not isinstance(drafter, DrafterModel):
             raise ValueError(f"drafter must be a DrafterModel (from load_drafter(path)) or None, "
                              f"got {type(drafter).__name__}")
+        check_call(0, None, True, prefill_chunk)
+        self.prefill_chunk = prefill_chunk
         if mesh is not None and mesh is not target.mesh:
             target = target.on_mesh(mesh)
         self.mesh = target.mesh
@@ -141,17 +149,31 @@ class SpeculativeDecoder:
         return self.drafter.config.block_size - 1
 
     def prepare(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, seed: int = 0, capacity: int | None = None, stop_at_eos: bool = True):
-        """Checked, padded inputs of `spec_generate`: (prompt ids, positional args, keyword args)."""
+                top_p: float = 1.0, seed: int = 0, capacity: int | None = None, stop_at_eos: bool = True,
+                prefill_chunk: int | None = None):
+        """Checked, padded inputs of `spec_generate`: (prompt ids, positional args, keyword args).
+
+        Every size is checked here, before anything is traced: the context
+        (prompt + new tokens + tree headroom within max_position_embeddings)
+        and the estimated memory (`taps_jax.engine.sizing`); `self.estimate`
+        keeps the latter for the error message of a real out-of-memory.
+        """
+        prefill_chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
         check_lengths(max_new_tokens)
-        check_call(seed, capacity, stop_at_eos)
+        check_call(seed, capacity, stop_at_eos, prefill_chunk)
         sampling = SamplingConfig(temperature, top_k, top_p)
         ids = self.target.encode(prompts)
         tree_size = self.tree.tree_size(self.horizon)
-        capacity = capacity or bucket(max(map(len, ids)) + max_new_tokens + tree_size + self.horizon + 1)
+        capacity = plan_capacity(max(map(len, ids)), max_new_tokens, tree_size + self.horizon + 1,
+                                 self.target.config, capacity)
         mesh = self.mesh
         prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(mesh))
-        decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else ())
+        self.estimate = estimate_memory(
+            self.target.config, params_bytes(self.target.params, self._drafter_params), prompt.shape[0],
+            prompt.shape[1], capacity, drafter=self.drafter.config, tree_size=tree_size, chunk=prefill_chunk)
+        check_memory(self.estimate, mesh)
+        decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else (),
+                              prefill_chunk)
         args = (self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
                 sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh), sharding.put_batch(active, mesh),
                 jax.random.key(seed))
@@ -171,14 +193,21 @@ class SpeculativeDecoder:
         seed: int = 0,
         capacity: int | None = None,
         stop_at_eos: bool = True,
+        prefill_chunk: int | None = None,
     ) -> GenerateResult:
-        """Decode a batch of prompts; `stats` holds rounds and accepted lengths (tau)."""
+        """Decode a batch of prompts; `stats` holds rounds and accepted lengths (tau).
+
+        capacity: KV-cache slots per sequence (default: prompt + new tokens +
+        tree headroom, bucketed). prefill_chunk: prompt tokens per prefill
+        step (default: the decoder's).
+        """
+        prefill_chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
+        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
+                       stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk)
         if self.policy == "ar":
-            return self.target.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, seed=seed, capacity=capacity, stop_at_eos=stop_at_eos)
-        ids, args, kwargs = self.prepare(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, seed=seed, capacity=capacity, stop_at_eos=stop_at_eos)
-        with sharding.use_mesh(self.mesh):
+            return self.target.generate(prompts, max_new_tokens, **options)
+        ids, args, kwargs = self.prepare(prompts, max_new_tokens, **options)
+        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
             out, n, finish, rounds, accepted = map(sharding.to_host, spec_generate(*args, **kwargs))
         rounds, accepted = rounds[: len(ids)], accepted[: len(ids)]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(len(ids))]

@@ -52,7 +52,7 @@ def check_lengths(max_new_tokens, temperature=0.0) -> None:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 
-def check_call(seed, capacity, stop_at_eos) -> None:
+def check_call(seed, capacity, stop_at_eos, prefill_chunk=512) -> None:
     """The non-sampling generate arguments (sampling ones are checked by SamplingConfig)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -61,6 +61,9 @@ def check_call(seed, capacity, stop_at_eos) -> None:
         raise ValueError(f"capacity must be a positive integer (KV-cache slots per sequence) or None, got {capacity!r}")
     if not isinstance(stop_at_eos, (bool, np.bool_)):
         raise ValueError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk <= 0:
+        raise ValueError(f"prefill_chunk must be a positive integer (prompt tokens per prefill step), "
+                         f"got {prefill_chunk!r}")
 
 
 def pad_batch(ids: Sequence[Sequence[int]], capacity: int, min_batch: int = 1):

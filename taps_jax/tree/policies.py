@@ -101,6 +101,17 @@ class TreeConfig:
                 f"(horizon {horizon} x beam_width {self.beam_width}); the largest allowed "
                 f"budget is {pool_size}: lower the budget or raise beam_width."
             )
+        # Depth d holds at most min(W, K^d) distinct prefixes: a budget beyond their sum could not be filled.
+        distinct, paths = 0, 1
+        for _ in range(horizon):
+            paths = min(paths * self.lattice_k, self.beam_width)
+            distinct += paths
+        if self.budget > distinct:
+            raise ValueError(
+                f"Tree budget {self.budget} cannot be filled: a lattice of the top {self.lattice_k} tokens at "
+                f"each of {horizon} drafted positions, beam width {self.beam_width}, holds at most {distinct} "
+                f"distinct prefixes; lower the budget to {distinct} or raise lattice_k."
+            )
 
     def reproduces_ddtree(self, vocab_size: int) -> bool:
         """True when the static-shape ddtree equals the best-first heap."""
