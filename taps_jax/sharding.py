@@ -99,7 +99,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 _COMPILED = tuple((re.compile(r"(^|\.)" + pattern + r"$"), logical) for pattern, logical in PARAM_RULES)
 
-KV_CACHE_AXES = (None, "batch", None, "kv_heads", None)  # [layers, batch, capacity, kv_heads, head_dim]
+KV_CACHE_AXES = (None, "batch", "kv_heads", None, None)  # keys [L, B, K, H, S], values [L, B, K, S, H]
 
 
 # --------------------------------------------------------------------------- meshes
@@ -360,7 +360,7 @@ def constrain(x, logical: tuple[str | None, ...]):
 
 
 def constrain_kv_cache(cache):
-    """Pin a KVCache / DrafterCache to (-, data, -, model, -) and its lengths to data.
+    """Pin a KVCache / DrafterCache to (-, data, model, -, -) and its lengths to data.
 
     Hook for the engine: call it on the caches right after they are created
     (prefill) and on the loop state each round; a no-op without a mesh.

@@ -70,8 +70,8 @@ def test_chunked_prefill_matches_one_chunk(chunk):
     for got, want in ((cache, ref_cache), (dcache, ref_dcache)):
         np.testing.assert_array_equal(got.lengths_B, lens)
         for b, n in enumerate(np.asarray(lens)):
-            np.testing.assert_allclose(got.k_LBSKH[:, b, :n], want.k_LBSKH[:, b, :n], atol=TOL, rtol=TOL)
-            np.testing.assert_allclose(got.v_LBSKH[:, b, :n], want.v_LBSKH[:, b, :n], atol=TOL, rtol=TOL)
+            np.testing.assert_allclose(got.k_LBKHS[:, b, ..., :n], want.k_LBKHS[:, b, ..., :n], atol=TOL, rtol=TOL)
+            np.testing.assert_allclose(got.v_LBKSH[:, b, :, :n], want.v_LBKSH[:, b, :, :n], atol=TOL, rtol=TOL)
     taps = drafter.config.target_layer_ids
     _, ref_taps, _ = _prefill_taps(tg, tp, prompt, lens, chunk=64, capacity=128, taps=taps)
     _, got_taps, _ = _prefill_taps(tg, tp, prompt, lens, chunk=chunk, capacity=128, taps=taps)
@@ -101,16 +101,17 @@ def test_blockwise_attention_equals_dense(monkeypatch):
     k_new = jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32)
     v_new = jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32)
     lengths = jnp.asarray([40, 3, 0], jnp.int32)
-    cache = KVCache(jnp.asarray(rng.normal(size=(L, B, S, K, H)), jnp.float32),
-                    jnp.asarray(rng.normal(size=(L, B, S, K, H)), jnp.float32), lengths)
+    cache = KVCache(jnp.asarray(rng.normal(size=(L, B, K, H, S)), jnp.float32),
+                    jnp.asarray(rng.normal(size=(L, B, K, S, H)), jnp.float32), lengths)
     mask = jnp.asarray(rng.random((B, T, T)) < 0.6) | jnp.eye(T, dtype=bool)[None]
     mask = mask.at[2, 1].set(False)  # sequence 2 has no committed slots: row 1 sees nothing at all
     out, same = jax.jit(layers.attend_cached, static_argnums=5)(q, k_new, v_new, mask, cache, 1)
     assert same is not None and np.all(np.isfinite(out))
     for b in range(B):
         n = int(lengths[b])
-        keys = jnp.concatenate([cache.k_LBSKH[1, b, :n], k_new[b]])[None]
-        values = jnp.concatenate([cache.v_LBSKH[1, b, :n], v_new[b]])[None]
+        k_committed, v_committed = cache.layer_kv(1, b, n)
+        keys = jnp.concatenate([k_committed, k_new[b]])[None]
+        values = jnp.concatenate([v_committed, v_new[b]])[None]
         visible = jnp.concatenate([jnp.ones((T, n), bool), mask[b]], axis=1)[None]
         want = layers.attend(q[b:b + 1], keys, values, visible)[0]
         rows = [t for t in range(T) if bool(visible[0, t].any())]

@@ -173,9 +173,9 @@ def test_engine_hooks_pin_caches_under_a_mesh_and_are_no_ops_without():
     mesh = mesh_of((2, 4))
     with sharding.use_mesh(mesh):
         cache = make(1)
-    assert cache.k_LBSKH.sharding == NamedSharding(mesh, P(None, "data", None, "model"))
+    assert cache.k_LBKHS.sharding == NamedSharding(mesh, P(None, "data", "model"))
     assert cache.lengths_B.sharding == NamedSharding(mesh, P("data"))
-    assert len(make(1).k_LBSKH.sharding.device_set) == 1  # no mesh: one device (a separate compile)
+    assert len(make(1).k_LBKHS.sharding.device_set) == 1  # no mesh: one device (a separate compile)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -81,8 +81,8 @@ def test_commit_matches_causal_refeed():
         _, _, ref = prefill(model, jnp.asarray(seq)[None], jnp.asarray([len(seq)]), 64)
         L = int(cache.lengths_B[b])
         assert L == len(seq)
-        np.testing.assert_allclose(cache.k_LBSKH[:, b, :L], ref.k_LBSKH[:, 0, :L], atol=1e-5)
-        np.testing.assert_allclose(cache.v_LBSKH[:, b, :L], ref.v_LBSKH[:, 0, :L], atol=1e-5)
+        np.testing.assert_allclose(cache.k_LBKHS[:, b, ..., :L], ref.k_LBKHS[:, 0, ..., :L], atol=1e-5)
+        np.testing.assert_allclose(cache.v_LBKSH[:, b, :, :L], ref.v_LBKSH[:, 0, :, :L], atol=1e-5)
 
 
 def _first_tokens(gen, n_samples, n_tokens, vocab):

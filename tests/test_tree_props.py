@@ -395,5 +395,5 @@ def test_commit_equals_causal_refeed(seed, p_follow):
     np.testing.assert_array_equal(cache.lengths_B, want)
     for b in range(CB):
         L = want[b]
-        np.testing.assert_allclose(cache.k_LBSKH[:, b, :L], ref.k_LBSKH[:, b, :L], atol=1e-5)
-        np.testing.assert_allclose(cache.v_LBSKH[:, b, :L], ref.v_LBSKH[:, b, :L], atol=1e-5)
+        np.testing.assert_allclose(cache.k_LBKHS[:, b, ..., :L], ref.k_LBKHS[:, b, ..., :L], atol=1e-5)
+        np.testing.assert_allclose(cache.v_LBKSH[:, b, :, :L], ref.v_LBKSH[:, b, :, :L], atol=1e-5)

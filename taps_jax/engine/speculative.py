@@ -67,7 +67,7 @@ def _merge(target_graphdef, target_params, drafter_graphdef, drafter_params, sco
 
 
 def _pin(state: SpecState) -> SpecState:
-    """Keep caches on (-, data, -, model, -) and per-sequence fields on data (no-op without a mesh)."""
+    """Keep caches on (-, data, model, -, -) and per-sequence fields on data (no-op without a mesh)."""
     caches = dict(cache=constrain_kv_cache(state.cache), dcache=constrain_kv_cache(state.dcache))
     rest = {f: constrain_batch(getattr(state, f)) for f in
             ("ctx_taps_BAF", "ctx_count_B", "bonus_B", "out_BN", "generated_B", "finish_B", "rounds_B", "accepted_BR")}
