@@ -260,14 +260,16 @@ def test_lattice_matches_numpy(seed):
 
 
 def test_padding_rows_see_only_themselves():
-    # W = 6 > K = 5 with one depth: slot 5 of depth 1 is invalid, and M = 6
-    # asks for more nodes than exist.
-    config = TreeConfig("ddtree", 6, K, W)
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(B, 1, V)), jnp.float32)
-    tree, aux, mask, _ = jax.device_get(_run(config)(logits, jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32)))
-    assert not aux.pool.valid_BN[:, 5].any()
-    assert (tree.valid_BT.sum(-1) == 1 + K).all()
-    assert (mask[:, -1] == np.eye(7, dtype=bool)[-1]).all()
+    # Only 3 tokens have non-zero draft probability, so depth 1 holds 3 valid
+    # nodes (pool slots 3..5 are invalid) and M = 5 asks for more than exist.
+    config = TreeConfig("ddtree", 5, K, W)
+    logits = np.random.default_rng(0).normal(size=(B, 1, V))
+    logits[..., 3:] = -np.inf
+    tree, aux, mask, _ = jax.device_get(_run(config)(jnp.asarray(logits, jnp.float32), jnp.zeros(B, jnp.int32),
+                                                     jnp.zeros(B, jnp.int32)))
+    assert not aux.pool.valid_BN[:, 3:].any()
+    assert (tree.valid_BT.sum(-1) == 1 + 3).all()
+    assert (mask[:, -1] == np.eye(6, dtype=bool)[-1]).all()
     assert mask.any(-1).all()
 
 
@@ -281,6 +283,7 @@ def test_validate_messages():
         (TreeConfig("ddtree", 8, 0, 8), "lattice_k"),
         (TreeConfig("ddtree", 8, 41, 8), "vocabulary size 40"),
         (TreeConfig("ddtree", 8, 8, 0), "beam_width"),
+        (TreeConfig("ddtree", 20, 1, 20), "budget 20 cannot be filled: .* holds at most 15 distinct prefixes"),
     ]
     for config, msg in bad:
         with pytest.raises(ValueError, match=msg):
