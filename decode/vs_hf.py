@@ -6,7 +6,9 @@ Needs the test extra (`pip install -e ".[test]"`: torch and transformers are
 test-only references, never runtime dependencies). For each prompt length
 both sides run what a user would: a greedy generate of 1 token (= prefill)
 and of 1 + `--decode-tokens` tokens; decode ms per token is the difference.
-Repeats are interleaved (ours, theirs, ours, ...) so machine drift hits both;
+Repeats are interleaved (ours, theirs, ours, ...) so machine drift hits both,
+with a pause before each timing so neither side's idle worker threads spin
+into the other's;
 medians with min-max are printed, and the ratios are of medians. Both run in
 float32 on the CPU threads this process has (torch.set_num_threads = the
 core count, as XLA uses).
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target checkpoint dir in Hugging Face layout (default: the embedded set's target)")
     p.add_argument("--prompt-tokens", type=_int_list, default=[128, 1024, 4096, 16384],
                    help="prompt lengths (default 128,1024,4096,16384)")
-    p.add_argument("--decode-tokens", type=positive_int, default=32, help="new tokens timed after the prompt (default 32)")
+    p.add_argument("--decode-tokens", type=positive_int, default=128,
+                   help="new tokens timed after the prompt (default 128)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per side (default 3)")
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text to cut prompts from (default: held-out corpus)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _timed(fn) -> float:
+    time.sleep(0.5)  # let the other side's worker threads stop spinning (torch's OpenMP pool busy-waits)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

@@ -27,7 +27,9 @@ from flax import nnx
 
 from taps_jax.config import DrafterConfig
 from taps_jax.models.cache import KVCache
-from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq
+from taps_jax.models.layers import (
+    MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq, rope_table,
+)
 
 
 @flax.struct.dataclass
@@ -53,32 +55,32 @@ class DrafterAttention(nnx.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dt)
 
-    def key_value(self, x_BTD, positions_BT, inv_freq):
+    def key_value(self, x_BTD, rope):
         """Rotated k and v [B, T, K, H] of context or block tokens (same weights for both)."""
         B, T, _ = x_BTD.shape
         k = self.k_norm(self.k_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, positions_BT, inv_freq), v
+        return apply_rope(k, rope), v
 
-    def _block_qkv(self, x_BTD, positions_BT, inv_freq):
+    def _block_qkv(self, x_BTD, rope):
         B, T, _ = x_BTD.shape
         q = self.q_norm(self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim))
-        k, v = self.key_value(x_BTD, positions_BT, inv_freq)
-        return apply_rope(q, positions_BT, inv_freq), k, v
+        k, v = self.key_value(x_BTD, rope)
+        return apply_rope(q, rope), k, v
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
+    def __call__(self, x_BTD, rope, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
         """Dense (training): x_BTD normed block states; mask_BTR over R = S context + T block keys."""
         B, T, _ = x_BTD.shape
-        q, k, v = self._block_qkv(x_BTD, positions_BT, inv_freq)
+        q, k, v = self._block_qkv(x_BTD, rope)
         keys = jnp.concatenate([ctx_k_BSKH.astype(k.dtype), k], axis=1)
         values = jnp.concatenate([ctx_v_BSKH.astype(v.dtype), v], axis=1)
         out_BTNH = attend(q, keys, values, mask_BTR)
         return self.o_proj(out_BTNH.reshape(B, T, -1))
 
-    def cached(self, x_BTD, positions_BT, inv_freq, cache: "DrafterCache", layer: int):
+    def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int):
         """Inference: the block sees cached context slots [0, lengths) and the whole block, blockwise."""
         B, T, _ = x_BTD.shape
-        q, k, v = self._block_qkv(x_BTD, positions_BT, inv_freq)
+        q, k, v = self._block_qkv(x_BTD, rope)
         everything_BTT = jnp.ones((B, T, T), bool)
         out_BTNH, _ = attend_cached(q, k, v, everything_BTT, cache, layer)  # read only: nothing writes after
         return self.o_proj(out_BTNH.reshape(B, T, -1))
@@ -92,16 +94,16 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
+    def __call__(self, x_BTD, rope, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
         """Dense attention under a [context; block] visibility mask (training)."""
         h = self.input_layernorm(x_BTD)
-        x_BTD = x_BTD + self.self_attn(h, positions_BT, inv_freq, ctx_k_BSKH, ctx_v_BSKH, mask_BTR)
+        x_BTD = x_BTD + self.self_attn(h, rope, ctx_k_BSKH, ctx_v_BSKH, mask_BTR)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
-    def cached(self, x_BTD, positions_BT, inv_freq, cache: "DrafterCache", layer: int):
+    def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int):
         """Blockwise attention over the cached context + the whole block (inference)."""
         h = self.input_layernorm(x_BTD)
-        x_BTD = x_BTD + self.self_attn.cached(h, positions_BT, inv_freq, cache, layer)
+        x_BTD = x_BTD + self.self_attn.cached(h, rope, cache, layer)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
@@ -115,9 +117,9 @@ class Drafter(nnx.Module):
         self.layers = nnx.List([DrafterLayer(c, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt)
 
-    def _inv_freq(self):
+    def _rope(self, positions_BT):
         c = self.config
-        return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        return rope_table(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
 
     def fuse(self, taps_BCF):
         """Concatenated tap features [B, C, n_taps*D] -> fused context [B, C, D]."""
@@ -125,17 +127,17 @@ class Drafter(nnx.Module):
 
     def context_kv(self, taps_BCF, ctx_positions_BC):
         """Per-layer context K/V [L, B, C, K, H] of raw tap features at their positions."""
-        inv_freq = self._inv_freq()
+        rope = self._rope(ctx_positions_BC)
         ctx_BCD = self.fuse(taps_BCF)
-        ks, vs = zip(*(layer.self_attn.key_value(ctx_BCD, ctx_positions_BC, inv_freq) for layer in self.layers))
+        ks, vs = zip(*(layer.self_attn.key_value(ctx_BCD, rope) for layer in self.layers))
         return jnp.stack(ks), jnp.stack(vs)
 
     def _run(self, x_BTD, positions_BT, ctx_k_LBSKH, ctx_v_LBSKH, mask_BTR):
         """The layer stack + final norm, given every layer's context K/V and the visibility mask."""
-        inv_freq = self._inv_freq()
+        rope = self._rope(positions_BT)
         x_BTD = x_BTD.astype(self.config.jnp_dtype)
         for i, layer in enumerate(self.layers):
-            x_BTD = layer(x_BTD, positions_BT, inv_freq, ctx_k_LBSKH[i], ctx_v_LBSKH[i], mask_BTR)
+            x_BTD = layer(x_BTD, rope, ctx_k_LBSKH[i], ctx_v_LBSKH[i], mask_BTR)
         return self.norm(x_BTD)
 
     def append_context(self, taps_BCF, count_B, cache: DrafterCache, start=None) -> DrafterCache:
@@ -166,10 +168,10 @@ class Drafter(nnx.Module):
         Returns the final-normed hidden states [B, Kb, D]; apply the target's
         lm_head (see `draft_logits`).
         """
-        inv_freq = self._inv_freq()
+        rope = self._rope(block_positions_BK)
         x_BKD = block_embeds_BKD.astype(self.config.jnp_dtype)
         for i, layer in enumerate(self.layers):
-            x_BKD = layer.cached(x_BKD, block_positions_BK, inv_freq, cache, i)
+            x_BKD = layer.cached(x_BKD, rope, cache, i)
         return self.norm(x_BKD)
 
     def forward_masked(self, block_embeds_BTD, block_positions_BT, taps_BCF, ctx_positions_BC, mask_BTR):

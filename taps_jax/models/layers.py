@@ -64,11 +64,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x_BTNH, positions_BT, inv_freq_F):
-    """Rotate-half RoPE (the Hugging Face convention) at explicit per-token positions."""
+def rope_table(positions_BT, inv_freq_F):
+    """(cos, sin) [B, T, 1, head_dim] at explicit per-token positions.
+
+    Computed once per forward and shared by every layer's q and k (per layer,
+    the sines and cosines cost more than the rotation itself).
+    """
     angles_BTF = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_F)
     angles_BTH = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)
-    cos, sin = jnp.cos(angles_BTH)[:, :, None, :], jnp.sin(angles_BTH)[:, :, None, :]
+    return jnp.cos(angles_BTH)[:, :, None, :], jnp.sin(angles_BTH)[:, :, None, :]
+
+
+def apply_rope(x_BTNH, rope):
+    """Rotate-half RoPE (the Hugging Face convention) with a `rope_table`."""
+    cos, sin = rope
     x32 = x_BTNH.astype(jnp.float32)
     half = x32.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)

@@ -17,7 +17,9 @@ from flax import nnx
 
 from taps_jax.config import ModelConfig
 from taps_jax.models.cache import KVCache
-from taps_jax.models.layers import MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq
+from taps_jax.models.layers import (
+    MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq, rope_table,
+)
 
 
 class Attention(nnx.Module):
@@ -34,7 +36,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x_BTD, positions_BT, inv_freq):
+    def project(self, x_BTD, rope):
         """Rotated q [B,T,N,H] and k, v [B,T,K,H] of the new tokens."""
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim)
@@ -42,7 +44,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions_BT, inv_freq), apply_rope(k, positions_BT, inv_freq), v
+        return apply_rope(q, rope), apply_rope(k, rope), v
 
 
 class DecoderLayer(nnx.Module):
@@ -53,10 +55,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, mask_BTT, cache: KVCache | None, layer: int, write_at):
+    def __call__(self, x_BTD, rope, mask_BTT, cache: KVCache | None, layer: int, write_at):
         """Returns the layer output and the cache holding this chunk's K/V (None without a cache)."""
         B, T, _ = x_BTD.shape
-        q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), positions_BT, inv_freq)
+        q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), rope)
         if cache is None:
             attn_BTNH = attend(q, k, v, mask_BTT)
         else:
@@ -113,11 +115,11 @@ class Transformer(nnx.Module):
         Returns (last layer's output [B, T, D] before the final norm, taps or None, cache).
         """
         c = self.config
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        rope = rope_table(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
         x_BTD = self.embed(tokens_BT)
         tapped = {}
         for i, layer in enumerate(self.layers):
-            x_BTD, cache = layer(x_BTD, positions_BT, inv_freq, mask_BTT, cache, i, write_at)
+            x_BTD, cache = layer(x_BTD, rope, mask_BTT, cache, i, write_at)
             if i in taps:
                 # HF hidden_states[L] (what DFlash reads) is the final-normed output of the last layer.
                 tapped[i] = self.norm(x_BTD) if i == c.num_layers - 1 else x_BTD
