@@ -28,7 +28,6 @@ from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.engine.ar import ar_generate
 from taps_jax.engine.prefill import PREFILL_CHUNK
-from taps_jax.engine.sizing import plan_capacity
 
 
 def _int_list(text: str) -> list[int]:
@@ -197,10 +196,7 @@ def _long_prompt_main(args, models, decoders) -> int:
     rows = {("ar", None): SpeculativeDecoder(models.target, None, "ar", prefill_chunk=args.prefill_chunk), **decoders}
     longest = prompts[max(prompts)]
     for dec in rows.values():  # sizes of the longest prompt checked for every row before anything compiles
-        if dec.policy == "ar":
-            plan_capacity(len(longest[0]), args.max_new_tokens, 0, models.target.config)
-        else:
-            dec.prepare(longest, args.max_new_tokens)
+        dec.prepare(longest, args.max_new_tokens)
     results = run_long_prompts(rows, prompts, args.max_new_tokens, args.repeats, args.temperature, args.seed)
     print_rows(results)
     report = {"config": {"prompt_tokens": args.prompt_tokens, "num_prompts": args.num_prompts or 1,

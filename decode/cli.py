@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from decode.common import (Parser, add_mesh_args, add_model_args, load_models, model_part_dirs, positive_int, run,
@@ -21,6 +20,7 @@ from decode.common import (Parser, add_mesh_args, add_model_args, load_models, m
 from taps_jax import sharding
 from taps_jax.checkpoints.scorer import check_scorer_dir_for_target
 from taps_jax.decoder import POLICIES, SpeculativeDecoder
+from taps_jax.calls import STREAM_CHUNK
 from taps_jax.engine.prefill import PREFILL_CHUNK
 from taps_jax.prompt_file import check_text
 
@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK,
                    help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}); prefill memory grows with "
                         "chunk x context, so lower it for very long prompts on small devices")
-    p.add_argument("--stats", action="store_true", help="print mean accepted length (tau), tokens/s and rounds")
+    p.add_argument("--stats", action="store_true",
+                   help="print mean accepted length (tau), rounds, tokens/s, compile and decode seconds to stderr")
+    p.add_argument("--stream", action="store_true",
+                   help=f"print the text as it is produced (every {STREAM_CHUNK} rounds; same tokens as without)")
     return p
 
 
@@ -83,6 +86,9 @@ def check_args(args) -> None:
         raise ValueError("--prompts needs --out OUT.jsonl (where the results go)")
     if args.prompts is None and args.out is not None:
         raise ValueError("--out is for job mode; pass --prompts IN.jsonl too, or drop --out")
+    if args.prompts is not None and args.stream:
+        raise ValueError("--stream is for a single --prompt; a job (--prompts) writes each result to --out as its "
+                         "batch finishes")
     for flag, value in (("--shard", args.shard), ("--force-new", args.force_new)):
         if args.prompts is None and value:
             raise ValueError(f"{flag} is for job mode; pass --prompts IN.jsonl --out OUT.jsonl too, or drop {flag}")
@@ -133,21 +139,55 @@ def main(argv=None) -> int:
                 return 130
         return 0
     decoder = build_decoder(args, mesh)
-    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    decoder.generate([args.prompt], args.max_new_tokens, **kwargs)  # compile (not timed)
-    start = time.perf_counter()
-    result = decoder.generate([args.prompt], args.max_new_tokens, **kwargs)
-    seconds = time.perf_counter() - start
-    if not sharding.is_main_process():
-        return 0
-    print(args.prompt + result.texts[0])
-    if args.stats:
+    call = decoder.prepare([args.prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed)
+    call.compile(stream=args.stream)  # ahead of time: the prompt is decoded once, compile timed apart
+    show = sharding.is_main_process()
+    if args.stream:
+        result = None
+        printed = TextDeltas(args.prompt)
+        for result in call.stream():
+            if show:
+                printed.show(result.texts[0])
+        if show:
+            printed.show(result.texts[0], final=True)
+    else:
+        result = call.run()
+        if show:
+            print(args.prompt + result.texts[0])
+    if show and args.stats:
         n = len(result.tokens[0])
         rounds = result.stats.get("rounds", [n])[0]
         tau = result.stats.get("tau", 1.0)
-        print(f"[{args.policy}] tokens={n} rounds={rounds} tau={tau:.2f} tokens/s={n / seconds:.1f} "
+        decode_s = result.stats["decode_s"]
+        print(f"[{args.policy}] tokens={n} rounds={rounds} tau={tau:.2f} tokens/s={n / decode_s:.1f} "
+              f"compile_s={result.stats['compile_s']:.2f} decode_s={decode_s:.2f} "
               f"finish={result.finish_reasons[0]}", file=sys.stderr)
     return 0
+
+
+class TextDeltas:
+    """Prints a growing text as it grows: only what follows what is already out.
+
+    A partial token sequence can end inside a multi-byte character (decoded as
+    U+FFFD), so text ending in U+FFFD is held back until the next chunk;
+    the final call prints the rest, so stdout is exactly what the
+    non-streamed command prints.
+    """
+
+    def __init__(self, prompt: str):
+        self.done = ""
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+
+    def show(self, text: str, final: bool = False) -> None:
+        stable = text if final else text.rstrip("\ufffd").rstrip()  # a later token may still change these
+        if stable.startswith(self.done) and len(stable) > len(self.done):
+            sys.stdout.write(stable[len(self.done):])
+            self.done = stable
+        if final:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def entry() -> None:

@@ -12,27 +12,18 @@ import numpy as np
 from flax import nnx
 
 from taps_jax import sharding
+from taps_jax.calls import GenerateCall, GenerateResult, Programs, STREAM_CHUNK
 from taps_jax.checkpoints.hf import (
     _prefix, check_dir, config_from_hf, ignored_tensors, load_transformer, read_json, save_transformer,
 )
 from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
 from taps_jax.config import ModelConfig
-from taps_jax.engine.ar import DecodeConfig, ar_generate
+from taps_jax.engine.ar import DecodeConfig, ar_advance, ar_generate, ar_outputs, ar_start
 from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, pad_batch
 from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity, raise_out_of_memory
 from taps_jax.models.transformer import Transformer
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    """Generated continuations (prompt excluded) and per-sequence facts."""
-
-    tokens: list[list[int]]
-    finish_reasons: list[str]
-    texts: list[str] | None = None
-    stats: dict = dataclasses.field(default_factory=dict)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -89,7 +80,7 @@ class Target:
             raise ValueError("this model has no tokenizer; read the token ids instead")
         return self.tokenizer.decode(ids)
 
-    def generate(
+    def prepare(
         self,
         prompts,
         max_new_tokens: int = 64,
@@ -101,15 +92,9 @@ class Target:
         capacity: int | None = None,
         stop_at_eos: bool = True,
         prefill_chunk: int = PREFILL_CHUNK,
-    ) -> GenerateResult:
-        """Plain autoregressive decoding (batched; greedy when temperature is 0).
-
-        prompts: a string, a list of strings, or lists of token ids.
-        capacity: KV-cache slots per sequence (default: the prompt + new tokens, bucketed;
-        at most the target's max_position_embeddings).
-        prefill_chunk: prompt tokens per prefill step (memory O(chunk x context)).
-        Sizes (context, memory) are checked before anything compiles.
-        """
+    ) -> GenerateCall:
+        """`generate`'s checks and host work, without the decode: a `GenerateCall` to
+        `.compile()` ahead of time, `.run()` or `.stream()` (taps_jax.calls)."""
         check_lengths(max_new_tokens)
         sampling = SamplingConfig(temperature, top_k, top_p)
         check_call(seed, capacity, stop_at_eos, prefill_chunk)
@@ -121,13 +106,28 @@ class Target:
         check_memory(estimate, self.mesh)
         config = DecodeConfig(max_new_tokens, capacity, sampling, self.eos_ids if stop_at_eos else (), prefill_chunk)
         mesh = self.mesh
-        with sharding.use_mesh(mesh), raise_out_of_memory(estimate):
-            out, n, finish = ar_generate(
-                self.graphdef, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
-                sharding.put_batch(active, mesh), jax.random.key(seed), config=config,
-            )
-            out, n, finish = map(sharding.to_host, (out, n, finish))
-        return self._result(out, n, finish, len(ids))
+        args = (self.graphdef, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
+                sharding.put_batch(active, mesh), jax.random.key(seed))
+        programs = Programs(ar_generate, ar_start, ar_advance, lambda s, kw: ar_outputs(s), ("graphdef", "config"))
+        return GenerateCall(programs, args, {"config": config},
+                            lambda out: self._result(*out, len(ids)), mesh, estimate)
+
+    def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
+        """Plain autoregressive decoding (batched; greedy when temperature is 0).
+
+        prompts: a string, a list of strings, or lists of token ids.
+        options: temperature=0.0, top_k=0, top_p=1.0, seed=0, capacity=None,
+        stop_at_eos=True, prefill_chunk=512 (see `prepare`).
+        capacity: KV-cache slots per sequence (default: the prompt + new tokens, bucketed;
+        at most the target's max_position_embeddings).
+        prefill_chunk: prompt tokens per prefill step (memory O(chunk x context)).
+        Sizes (context, memory) are checked before anything compiles.
+        """
+        return self.prepare(prompts, max_new_tokens, **options).run()
+
+    def stream(self, prompts, max_new_tokens: int = 64, *, chunk: int = STREAM_CHUNK, **options):
+        """Like `generate`, yielding the result so far every `chunk` steps (the last yield == generate's)."""
+        return self.prepare(prompts, max_new_tokens, **options).stream(chunk)
 
     def _result(self, out, n, finish, count, stats=None) -> GenerateResult:
         tokens = [out[b, : n[b]].tolist() for b in range(count)]

@@ -12,6 +12,7 @@ from flax import nnx
 
 from taps_jax import sharding
 from taps_jax.api import GenerateResult, Target, load_target
+from taps_jax.calls import STREAM_CHUNK, GenerateCall, Programs
 from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
@@ -19,8 +20,8 @@ from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import check_call, check_lengths, pad_batch
 from taps_jax.engine.prefill import PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
-from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity, raise_out_of_memory
-from taps_jax.engine.speculative import SpecConfig, spec_generate
+from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
+from taps_jax.engine.speculative import SpecConfig, spec_advance, spec_generate, spec_outputs, spec_start
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
 
@@ -148,17 +149,21 @@ class SpeculativeDecoder:
     def horizon(self) -> int:
         return self.drafter.config.block_size - 1
 
-    def prepare(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+    def prepare(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int = 0, capacity: int | None = None, stop_at_eos: bool = True,
-                prefill_chunk: int | None = None):
-        """Checked, padded inputs of `spec_generate`: (prompt ids, positional args, keyword args).
+                prefill_chunk: int | None = None) -> GenerateCall:
+        """`generate`'s checks and host work, without the decode: a `GenerateCall`
+        to `.compile()` ahead of time, `.run()` or `.stream()` (taps_jax.calls).
 
         Every size is checked here, before anything is traced: the context
         (prompt + new tokens + tree headroom within max_position_embeddings)
-        and the estimated memory (`taps_jax.engine.sizing`); `self.estimate`
-        keeps the latter for the error message of a real out-of-memory.
+        and the estimated memory (`taps_jax.engine.sizing`).
         """
         prefill_chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
+        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
+                       stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk)
+        if self.policy == "ar":
+            return self.target.prepare(prompts, max_new_tokens, **options)
         check_lengths(max_new_tokens)
         check_call(seed, capacity, stop_at_eos, prefill_chunk)
         sampling = SamplingConfig(temperature, top_k, top_p)
@@ -168,10 +173,10 @@ class SpeculativeDecoder:
                                  self.target.config, capacity)
         mesh = self.mesh
         prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(mesh))
-        self.estimate = estimate_memory(
+        estimate = estimate_memory(
             self.target.config, params_bytes(self.target.params, self._drafter_params), prompt.shape[0],
             prompt.shape[1], capacity, drafter=self.drafter.config, tree_size=tree_size, chunk=prefill_chunk)
-        check_memory(self.estimate, mesh)
+        check_memory(estimate, mesh)
         decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else (),
                               prefill_chunk)
         args = (self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
@@ -180,44 +185,36 @@ class SpeculativeDecoder:
         kwargs = {"config": SpecConfig(decode, self.tree)}
         if self.scorer is not None:
             kwargs.update(scorer_graphdef=self._scorer_graphdef, scorer_params=self._scorer_params)
-        return ids, args, kwargs
+        programs = Programs(spec_generate, spec_start, spec_advance, lambda s, kw: spec_outputs(s, kw["config"]),
+                            ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
+        return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids)), mesh, estimate)
 
-    def generate(
-        self,
-        prompts,
-        max_new_tokens: int = 64,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        capacity: int | None = None,
-        stop_at_eos: bool = True,
-        prefill_chunk: int | None = None,
-    ) -> GenerateResult:
-        """Decode a batch of prompts; `stats` holds rounds and accepted lengths (tau).
-
-        capacity: KV-cache slots per sequence (default: prompt + new tokens +
-        tree headroom, bucketed). prefill_chunk: prompt tokens per prefill
-        step (default: the decoder's).
-        """
-        prefill_chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
-        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
-                       stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk)
-        if self.policy == "ar":
-            return self.target.generate(prompts, max_new_tokens, **options)
-        ids, args, kwargs = self.prepare(prompts, max_new_tokens, **options)
-        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
-            out, n, finish, rounds, accepted = map(sharding.to_host, spec_generate(*args, **kwargs))
-        rounds, accepted = rounds[: len(ids)], accepted[: len(ids)]
-        per_round = [accepted[b, : rounds[b]].tolist() for b in range(len(ids))]
+    def _result(self, outputs, count: int) -> GenerateResult:
+        out, n, finish, rounds, accepted = outputs
+        rounds, accepted = rounds[:count], accepted[:count]
+        per_round = [accepted[b, : rounds[b]].tolist() for b in range(count)]
         total_rounds = int(rounds.sum())
         stats = {
             "rounds": rounds.tolist(),
             "accepted_lengths": per_round,
             "tau": float(sum(map(sum, per_round)) / max(total_rounds, 1)),
         }
-        return self.target._result(out, n, finish, len(ids), stats)
+        return self.target._result(out, n, finish, count, stats)
+
+    def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
+        """Decode a batch of prompts; `stats` holds rounds and accepted lengths (tau).
+
+        options: temperature=0.0, top_k=0, top_p=1.0, seed=0, capacity=None,
+        stop_at_eos=True, prefill_chunk=None (see `prepare`).
+        capacity: KV-cache slots per sequence (default: prompt + new tokens +
+        tree headroom, bucketed). prefill_chunk: prompt tokens per prefill
+        step (default: the decoder's).
+        """
+        return self.prepare(prompts, max_new_tokens, **options).run()
+
+    def stream(self, prompts, max_new_tokens: int = 64, *, chunk: int = STREAM_CHUNK, **options):
+        """Like `generate`, yielding the result so far every `chunk` rounds (the last yield == generate's)."""
+        return self.prepare(prompts, max_new_tokens, **options).stream(chunk)
 
 
 @dataclasses.dataclass

@@ -40,13 +40,8 @@ class ARState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
-def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, config: DecodeConfig):
-    """Returns (tokens [B, N], generated [B], finish reason [B]).
-
-    active_B marks real sequences; padded batch slots start finished.
-    """
-    model = nnx.merge(graphdef, params)
+def ar_init(model, prompt_BT, prompt_len_B, active_B, key, config: DecodeConfig) -> ARState:
+    """Prefill and the first token; active_B marks real sequences (padded batch slots start finished)."""
     B = prompt_BT.shape[0]
     N = config.max_new_tokens
     logits_BV, _, cache = prefill(model, prompt_BT, prompt_len_B, config.capacity, chunk=config.prefill_chunk)
@@ -55,7 +50,7 @@ def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, con
     generated_B = jnp.ones((B,), jnp.int32)
     finish_B = stop_reason(first_B, generated_B, cache.lengths_B + 1, config.eos_ids, N, config.capacity)
     finish_B = jnp.where(active_B, finish_B, -1)  # -1: padding slot
-    state = ARState(
+    return ARState(
         cache=cache,
         pending_B=first_B,
         out_BN=jnp.zeros((B, N), jnp.int32).at[:, 0].set(first_B),
@@ -64,19 +59,67 @@ def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, con
         key=key,
     )
 
-    def step(s: ARState) -> ARState:
-        running_B = s.finish_B == RUNNING
-        positions_B1 = s.cache.lengths_B[:, None]
-        logits_B1V, _, cache = model(s.pending_B[:, None], positions_B1, jnp.ones((B, 1, 1), bool), s.cache)
-        cache = cache.replace(lengths_B=cache.lengths_B + running_B)
-        key, sub = jax.random.split(s.key)
-        token_B = sample(logits_B1V[:, 0], sub, config.sampling)
-        slot_B = jnp.where(running_B, s.generated_B, N)  # N: dropped, finished rows keep theirs
-        out_BN = s.out_BN.at[jnp.arange(B), slot_B].set(token_B, mode="drop")
-        generated_B = s.generated_B + running_B
-        reason_B = stop_reason(token_B, generated_B, cache.lengths_B + 1, config.eos_ids, N, config.capacity)
-        finish_B = jnp.where(running_B, reason_B, s.finish_B)
-        return ARState(cache, jnp.where(running_B, token_B, s.pending_B), out_BN, generated_B, finish_B, key)
 
-    state = jax.lax.while_loop(lambda s: jnp.any(s.finish_B == RUNNING), step, state)
-    return state.out_BN, state.generated_B, state.finish_B
+def ar_step(model, s: ARState, config: DecodeConfig) -> ARState:
+    """Feed each running sequence's pending token, sample the next one."""
+    B = s.pending_B.shape[0]
+    N = config.max_new_tokens
+    running_B = s.finish_B == RUNNING
+    positions_B1 = s.cache.lengths_B[:, None]
+    logits_B1V, _, cache = model(s.pending_B[:, None], positions_B1, jnp.ones((B, 1, 1), bool), s.cache)
+    cache = cache.replace(lengths_B=cache.lengths_B + running_B)
+    key, sub = jax.random.split(s.key)
+    token_B = sample(logits_B1V[:, 0], sub, config.sampling)
+    slot_B = jnp.where(running_B, s.generated_B, N)  # N: dropped, finished rows keep theirs
+    out_BN = s.out_BN.at[jnp.arange(B), slot_B].set(token_B, mode="drop")
+    generated_B = s.generated_B + running_B
+    reason_B = stop_reason(token_B, generated_B, cache.lengths_B + 1, config.eos_ids, N, config.capacity)
+    finish_B = jnp.where(running_B, reason_B, s.finish_B)
+    return ARState(cache, jnp.where(running_B, token_B, s.pending_B), out_BN, generated_B, finish_B, key)
+
+
+def running(s) -> jax.Array:
+    """Loop condition shared by every engine state: any sequence still running."""
+    return jnp.any(s.finish_B == RUNNING)
+
+
+def ar_outputs(s: ARState):
+    return s.out_BN, s.generated_B, s.finish_B
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, config: DecodeConfig):
+    """Returns (tokens [B, N], generated [B], finish reason [B]).
+
+    active_B marks real sequences; padded batch slots start finished.
+    """
+    model = nnx.merge(graphdef, params)
+    state = ar_init(model, prompt_BT, prompt_len_B, active_B, key, config)
+    state = jax.lax.while_loop(running, lambda s: ar_step(model, s, config), state)
+    return ar_outputs(state)
+
+
+# Streaming: the same init and step, run as a start program and an advance
+# program of at most `steps` steps (a host loop prints between them).
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+def ar_start(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, config: DecodeConfig) -> ARState:
+    return ar_init(nnx.merge(graphdef, params), prompt_BT, prompt_len_B, active_B, key, config)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def ar_advance(graphdef, params, state: ARState, steps, *, config: DecodeConfig) -> ARState:
+    model = nnx.merge(graphdef, params)
+    return bounded_loop(lambda s: ar_step(model, s, config), state, steps)
+
+
+def bounded_loop(step, state, limit):
+    """`while running(state)` as in generate, stopped after `limit` steps (a traced scalar)."""
+
+    def body(carry):
+        s, i = carry
+        return step(s), i + 1
+
+    state, _ = jax.lax.while_loop(lambda c: running(c[0]) & (c[1] < limit), body, (state, jnp.int32(0)))
+    return state

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taps_jax.engine.ar import DecodeConfig
+from taps_jax.engine.ar import DecodeConfig, bounded_loop, running
 from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
 from taps_jax.engine.sampling import sample
 from taps_jax.models.cache import KVCache
@@ -222,7 +222,15 @@ def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> Spe
     return verify_stage(target, drafter, s, dcache, tree, config)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
+def spec_outputs(s: SpecState, config: SpecConfig):
+    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R])."""
+    return s.out_BN[:, : config.decode.max_new_tokens], s.generated_B, s.finish_B, s.rounds_B, s.accepted_BR
+
+
+_STATIC = ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
@@ -237,10 +245,32 @@ def spec_generate(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
     state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
-    state = jax.lax.while_loop(
-        lambda s: jnp.any(s.finish_B == RUNNING),
-        lambda s: round_step(target, drafter, scorer, s, config),
-        state,
+    state = jax.lax.while_loop(running, lambda s: round_step(target, drafter, scorer, s, config), state)
+    return spec_outputs(state, config)
+
+
+# Streaming: the same prefill and rounds as `spec_generate`, run as a start
+# program and an advance program of at most `rounds` rounds.
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def spec_start(
+    target_graphdef, target_params, drafter_graphdef, drafter_params,
+    prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
+    scorer_graphdef=None, scorer_params=None,
+) -> SpecState:
+    target, drafter, _ = _merge(
+        target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    N = config.decode.max_new_tokens
-    return state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR
+    return init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def spec_advance(
+    target_graphdef, target_params, drafter_graphdef, drafter_params, state: SpecState, rounds, *,
+    config: SpecConfig, scorer_graphdef=None, scorer_params=None,
+) -> SpecState:
+    target, drafter, scorer = _merge(
+        target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
+    )
+    return bounded_loop(lambda s: round_step(target, drafter, scorer, s, config), state, rounds)

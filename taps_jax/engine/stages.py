@@ -58,8 +58,9 @@ class Stages:
 
     @classmethod
     def after_prefill(cls, decoder, prompts, max_new_tokens: int = 64, **sampling) -> "Stages":
-        _, args, kwargs = decoder.prepare(prompts, max_new_tokens, **sampling)
-        tg, tp, dg, dp, prompt, lens, active, key = args
+        call = decoder.prepare(prompts, max_new_tokens, **sampling)
+        kwargs = call.kwargs
+        tg, tp, dg, dp, prompt, lens, active, key = call.args
         static = dict(target_graphdef=tg, drafter_graphdef=dg,
                       scorer_graphdef=kwargs.get("scorer_graphdef"), config=kwargs["config"])
         params = (tp, dp, kwargs.get("scorer_params"))

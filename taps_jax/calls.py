@@ -1,0 +1,140 @@
+"""`GenerateCall`: one generate call, checked and placed: compile it ahead of time, run it, or stream it.
+
+`Target.prepare` and `SpeculativeDecoder.prepare` do every check and all the
+host work (encode, size, pad, place); what is left is device work, in one of
+two forms that give the same tokens:
+
+* `run()`: the engine's whole generate, one program with one `while_loop`;
+* `stream(chunk)`: the same prefill and the same loop body, as a start
+  program and an advance program that runs at most `chunk` rounds (AR steps)
+  per call; the host reads the tokens between calls. Nothing runs on the
+  host inside a loop (no callbacks); the cost is one dispatch and one small
+  device-to-host copy per chunk, and the state is donated, so the caches are
+  not copied.
+
+`compile()` compiles the form you will use ahead of time
+(`jit(...).lower(...).compile()`), so compile time and decode time are
+measured apart and the prompt is decoded once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from typing import Any, Callable, Iterator
+
+from taps_jax import sharding
+from taps_jax.engine.prefill import RUNNING
+from taps_jax.engine.sizing import MemoryEstimate, raise_out_of_memory
+
+STREAM_CHUNK = 4  # rounds (AR steps) per streamed chunk
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Generated continuations (prompt excluded) and per-sequence facts."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    texts: list[str] | None = None
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """An engine's jitted programs; all take (model args..., 4 batch inputs | state, limit) + the same kwargs.
+
+    generate(*model, prompt, lens, active, key, **kw) -> outputs
+    start(*model, prompt, lens, active, key, **kw) -> state
+    advance(*model, state, limit, **kw) -> state (at most `limit` more rounds)
+    outputs(state, kw) -> the outputs generate returns
+    """
+
+    generate: Callable
+    start: Callable
+    advance: Callable
+    outputs: Callable
+    static: tuple[str, ...]  # static argument names: baked into an executable, not passed to it
+
+
+def _dynamic(fn, static: tuple[str, ...], args, kwargs):
+    """The (args, kwargs) an ahead-of-time executable of `fn` takes: static arguments dropped."""
+    params = inspect.signature(fn).parameters
+    bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    pos = [v for k, v in bound.items() if k not in static and params[k].kind != inspect.Parameter.KEYWORD_ONLY]
+    kw = {k: v for k, v in bound.items() if k not in static and params[k].kind == inspect.Parameter.KEYWORD_ONLY}
+    return tuple(pos), kw
+
+
+@dataclasses.dataclass
+class GenerateCall:
+    """One checked generate call. `run()` == the decoder's `generate(...)`; see the module doc."""
+
+    programs: Programs
+    args: tuple  # generate's positional arguments: model args + (prompt, lens, active, key)
+    kwargs: dict  # generate's keyword arguments (static config, scorer)
+    finish: Callable[[tuple], GenerateResult]  # host outputs -> result
+    mesh: Any
+    estimate: MemoryEstimate
+    compile_s: float | None = None  # set by compile()
+    _compiled: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def _model_args(self) -> tuple:
+        return self.args[:-4]
+
+    def compile(self, stream: bool = False) -> float:
+        """Compile generate (or, stream=True, start + advance) ahead of time; returns the seconds it took."""
+        p = self.programs
+        begin = time.perf_counter()
+        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
+            if stream:
+                state = p.start.eval_shape(*self.args, **self.kwargs)
+                limit = 0  # a traced int32 scalar: any value compiles the same program
+                self._compiled["start"] = p.start.lower(*self.args, **self.kwargs).compile()
+                self._compiled["advance"] = p.advance.lower(*self._model_args, state, limit, **self.kwargs).compile()
+            else:
+                self._compiled["generate"] = p.generate.lower(*self.args, **self.kwargs).compile()
+        self.compile_s = time.perf_counter() - begin
+        return self.compile_s
+
+    def _call(self, name: str, *args):
+        fn = getattr(self.programs, name)
+        if name not in self._compiled:
+            return fn(*args, **self.kwargs)
+        pos, kw = _dynamic(fn, self.programs.static, args, self.kwargs)
+        return self._compiled[name](*pos, **kw)
+
+    def _timed(self, result: GenerateResult, seconds: float) -> GenerateResult:
+        if self.compile_s is not None:
+            result.stats.update(compile_s=self.compile_s, decode_s=seconds)
+        return result
+
+    def run(self) -> GenerateResult:
+        """Decode to the end (the compiled executable when `compile()` ran, else the jitted program)."""
+        begin = time.perf_counter()
+        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
+            outputs = tuple(map(sharding.to_host, self._call("generate", *self.args)))
+        return self._timed(self.finish(outputs), time.perf_counter() - begin)
+
+    def stream(self, chunk: int = STREAM_CHUNK) -> Iterator[GenerateResult]:
+        """Yield the result so far after the prefill and after every `chunk` rounds (AR steps).
+
+        Each yield is a whole `GenerateResult` of the tokens so far (unfinished
+        sequences have finish reason "running"); the last one equals `run()`.
+        """
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a positive number of rounds, got {chunk!r}")
+        begin = time.perf_counter()
+        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
+            state = self._call("start", *self.args)
+            while True:
+                outputs = tuple(map(sharding.to_host, self.programs.outputs(state, self.kwargs)))
+                done = bool((outputs[2] != RUNNING).all())
+                result = self.finish(outputs)
+                if done:
+                    yield self._timed(result, time.perf_counter() - begin)
+                    return
+                yield result
+                state = self._call("advance", *self._model_args, state, chunk)
