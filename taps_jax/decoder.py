@@ -76,6 +76,16 @@ def tree_config(policy: str, budget: int, vocab_size: int, lattice_k: int | None
     return TreeConfig(policy, budget, k, budget if beam_width is None else beam_width)
 
 
+def check_scorer_target(scorer: ScorerModel, target: Target) -> None:
+    """ValueError if the scorer recorded another target's embedding (it learned that target's acceptance).
+
+    Skipped on multi-host meshes, where the table is not addressable here; the
+    CLIs check from the checkpoint files there.
+    """
+    if jax.process_count() == 1:
+        scorer.check_target_embedding(target.model.embed_tokens.embedding.get_value())
+
+
 class SpeculativeDecoder:
     """Lossless speculative decoding with a block-diffusion drafter.
 
@@ -130,6 +140,7 @@ class SpeculativeDecoder:
             if not isinstance(scorer, ScorerModel):
                 raise ValueError(f"scorer must be a ScorerModel (from load_scorer(path)), got {type(scorer).__name__}")
             scorer.check_models(target.config, drafter.config)
+            check_scorer_target(scorer, target)
             self.scorer = scorer
             self._scorer_graphdef, self._scorer_params = nnx.split(scorer.module)
             self._scorer_params = sharding.replicate(self._scorer_params, self.mesh)
@@ -258,6 +269,7 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
             for scorer in scorers:
                 if scorer is not None:
                     scorer.check_models(target.config, drafter.config)
+                    check_scorer_target(scorer, target)
     except ValueError as e:
         raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
     return ModelSet(target, drafter, *scorers)

@@ -156,3 +156,12 @@ def test_top_k_larger_than_vocab_means_off():
     off = filtered_logits(logits, SamplingConfig(temperature=0.5))
     np.testing.assert_array_equal(np.asarray(big), np.asarray(off))
     assert np.isfinite(np.asarray(big)).all()
+
+
+def test_text_that_is_not_utf8_is_refused_by_the_api(no_tracing):
+    from taps_jax.decoder import DEFAULT_MODEL_DIR
+
+    target = taps_jax.load_target(DEFAULT_MODEL_DIR / "target")
+    with pytest.raises(ValueError, match=r"prompt 1 is not valid UTF-8 text \(unpaired surrogate \\ud800 at "
+                                         r"character 5\); pass str text, or a list of token ids"):
+        target.generate(["fine", "bad \ud800 text"], 4)

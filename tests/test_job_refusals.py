@@ -271,3 +271,27 @@ def test_scorer_probe_of_the_loaded_target_matches_the_checkpoints():
         scorer.check_target_embedding(table)
     with pytest.raises(ValueError, match=r"this scorer was fitted on another target .* or use policy 'ddtree'"):
         scorer.check_target_embedding(np.asarray(table) * 1.5)
+
+
+def test_api_refuses_a_scorer_fitted_on_another_target(tmp_path):
+    """SpeculativeDecoder and load_model_set run the same probe check as the CLI."""
+    import dataclasses
+
+    from taps_jax.checkpoints.scorer import load_scorer
+    from taps_jax.decoder import SpeculativeDecoder, load_model_set
+
+    models = load_model_set(DEFAULT_MODEL_DIR)
+    good = models.scorer_for(0.0)
+    SpeculativeDecoder(models.target, models.drafter, "taps", 16, scorer=good)
+    training = json.loads(json.dumps(good.training))
+    training["target"]["embed_probe"] = [x + 0.05 for x in training["target"]["embed_probe"]]
+    foreign = dataclasses.replace(good, training=training)
+    with pytest.raises(ValueError, match=r"this scorer was fitted on another target .* or use policy 'ddtree'"):
+        SpeculativeDecoder(models.target, models.drafter, "taps", 16, scorer=foreign)
+    folder = tmp_path / "set"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    foreign.save(folder / "scorer")
+    assert load_scorer(folder / "scorer").target_probe == training["target"]["embed_probe"]
+    with pytest.raises(ValueError, match=r"the model set's parts do not fit together: this scorer was fitted on "
+                                         r"another target"):
+        load_model_set(folder)

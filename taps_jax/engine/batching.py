@@ -10,6 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
+from taps_jax.prompt_file import check_text
+
 
 def bucket(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= max(n, minimum)."""
@@ -31,6 +33,7 @@ def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this model has none, pass token ids instead")
+            check_text(p, f"prompt {i}", hint="pass str text, or a list of token ids")
             ids = tokenizer.encode(p)
         else:
             arr = np.asarray(p)
