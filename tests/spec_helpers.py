@@ -28,3 +28,14 @@ def tiny_pair(vocab: int = 16, block_size: int = 8, seed: int = 0, eos: tuple[in
                          target_layer_ids=(0, 1), num_target_layers=2, vocab_size=vocab, rope_theta=10000.0)
     drafter = DrafterModel(Drafter(dcfg, nnx.Rngs(seed + 1)))
     return target, drafter
+
+
+def primitives(jaxpr):
+    """Every primitive name in a jaxpr, nested jaxprs (loops, jits, conds) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from primitives(sub)

@@ -21,6 +21,7 @@ from taps_jax.engine.ar import DecodeConfig, ar_generate
 from taps_jax.engine.batching import pad_batch
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.models.transformer import Transformer
+from spec_helpers import primitives
 
 PROMPTS = ([5, 17, 42], [9, 8, 7, 6, 5, 4, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])  # batch 3 -> padded to 4
 N = 10
@@ -203,16 +204,6 @@ def test_one_compile_per_length_bucket(tiny_target):
     assert ar_generate._cache_size() - before == 2
 
 
-def _primitives(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn.primitive.name
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(sub, "eqns"):
-                    yield from _primitives(sub)
-
-
 def test_no_host_transfer_inside_the_loop(tiny_target):
     config = SAMPLED
     prompt, lens, active = pad_batch(SAMPLED_PROMPTS, config.capacity)
@@ -239,7 +230,7 @@ def test_no_host_transfer_inside_the_loop(tiny_target):
     (generate,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
     top = [e.primitive.name for e in generate.params["jaxpr"].jaxpr.eqns]
     assert top.count("while") == 2, top
-    names = list(_primitives(jaxpr.jaxpr))
+    names = list(primitives(jaxpr.jaxpr))
     host = [n for n in names if "callback" in n or n in ("infeed", "outfeed")]
     assert not host, host
 

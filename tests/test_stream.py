@@ -11,6 +11,7 @@ import taps_jax.decoder as decoder_module
 from decode import cli
 from taps_jax.calls import GenerateCall
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
+from spec_helpers import primitives
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):"]
 
@@ -48,16 +49,6 @@ def test_compiled_call_runs_the_executable_and_times_it_apart(models):
     assert result.stats["compile_s"] == seconds > 0 and result.stats["decode_s"] > 0
 
 
-def _primitives(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn.primitive.name
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(sub, "eqns"):
-                    yield from _primitives(sub)
-
-
 def test_advance_programs_have_one_loop_and_no_host_callbacks(models):
     dec = SpeculativeDecoder(models.target, models.drafter, "ddtree", 16)
     for call in (dec.prepare(PROMPTS[:1], 8), models.target.prepare(PROMPTS[:1], 8)):
@@ -67,7 +58,7 @@ def test_advance_programs_have_one_loop_and_no_host_callbacks(models):
         (advance,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
         top = [e.primitive.name for e in advance.params["jaxpr"].jaxpr.eqns]
         assert top.count("while") == 1, top  # the rounds; key-block loops are nested inside
-        host = [n for n in _primitives(jaxpr.jaxpr) if "callback" in n or n in ("infeed", "outfeed")]
+        host = [n for n in primitives(jaxpr.jaxpr) if "callback" in n or n in ("infeed", "outfeed")]
         assert not host, host
 
 
