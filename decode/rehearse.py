@@ -138,12 +138,70 @@ def whole_cache_attention():
         layers.KEY_BLOCK = saved
 
 
-def _cost(compiled) -> dict:
-    cost = compiled.cost_analysis()
+COST_NOTE = (
+    "flops: XLA cost_analysis() of each stage's lowered (unpartitioned) program with attention over the whole "
+    "cache in one key block, divided by the device count (even partitioning assumed). bytes: HBM traffic "
+    "model per device from the sharded shapes: every parameter the stage uses read once, every cache slot "
+    "read once, float32 logits written and read once (XLA's own 'bytes accessed' counts each in-place cache "
+    "update as a copy of the whole cache, and the CPU-optimised program's counts reflect CPU fusion, so "
+    "neither is used)")
+
+
+def _fresh(jitted):
+    """A new jit of the same function, so tracing sees the current KEY_BLOCK (not a cached trace)."""
+    static = ("target_graphdef", "drafter_graphdef", "scorer_graphdef", "config", "graphdef")
+    fn = getattr(jitted, "__wrapped__", jitted)
+    import inspect
+
+    names = tuple(n for n in static if n in inspect.signature(fn).parameters or "static" in
+                  inspect.signature(fn).parameters)
+    return jax.jit(fn, static_argnames=names)
+
+
+def _flops(lowered, devices: int) -> float:
+    cost = lowered.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
-    cost = cost or {}
-    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+    return float((cost or {}).get("flops", 0.0)) / devices
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "sharding") and x.sharding is not None:
+            total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def _logits_bytes(like_B, rows: int, vocab: int) -> int:
+    """float32 logits [b, rows, V / M] of one device, written once and read once."""
+    mesh = like_B.sharding.mesh
+    b = like_B.sharding.shard_shape(like_B.shape)[0]
+    m = int(mesh.shape["model"])
+    return 2 * b * rows * (vocab // m if vocab % m == 0 else vocab) * 4
+
+
+def _head_bytes(tparams) -> int:
+    """The target's embedding table and lm_head (the drafter reads both)."""
+    names = {"embed_tokens", "lm_head"}
+    return _device_bytes({k: v for k, v in tparams.items() if k in names})
+
+
+def round_traffic(tparams, dparams, sparams, state, draft_BHV, tree_size: int, vocab: int) -> dict:
+    H = draft_BHV.shape[1]
+    caches = lambda c: _device_bytes((c.k_LBKHS, c.v_LBKSH))
+    draft_logits = _logits_bytes(state.bonus_B, H, vocab)
+    return {
+        "draft": _device_bytes(dparams) + caches(state.dcache) + _head_bytes(tparams) + draft_logits,
+        "select": draft_logits + _device_bytes(sparams) if sparams is not None else draft_logits,
+        "verify": _device_bytes(tparams) + caches(state.cache) + _logits_bytes(state.bonus_B, tree_size, vocab),
+    }
+
+
+def ar_traffic(tparams, cache, vocab: int) -> int:
+    return (_device_bytes(tparams) + _device_bytes((cache.k_LBKHS, cache.v_LBKSH))
+            + _logits_bytes(cache.lengths_B, 1, vocab))
 
 
 def _memory(compiled) -> dict:
@@ -254,30 +312,36 @@ def rehearse(target_config, drafter_config, mesh, *, batch: int, prompt_tokens: 
         report["host_estimate_bytes_total"] = estimate.total
 
         # 2. One round's stages and one AR step, attention over the whole cache.
-        progress("compiling one round's stages and one AR step for their costs")
+        progress("lowering one round's stages and one AR step for their costs")
         start = time.perf_counter()
+        devices = int(mesh.devices.size)
         with whole_cache_attention():
             stage_costs = {}
             if policy != "ar":
-                static = dict(target_graphdef=tg, drafter_graphdef=dg, scorer_graphdef=scorer_kwargs.get("scorer_graphdef"),
-                              config=config)
+                static = dict(target_graphdef=tg, drafter_graphdef=dg,
+                              scorer_graphdef=scorer_kwargs.get("scorer_graphdef"), config=config)
                 params = (tparams, dparams, scorer_kwargs.get("scorer_params"))
-                state = _sharded_shapes(lambda p, a, b, c, k: stages.init_jit(p, a, b, c, k, **static), mesh,
+                init, draft, select, verify = (_fresh(f) for f in (stages.init_jit, stages.draft_jit,
+                                                                   stages.select_jit, stages.verify_jit))
+                state = _sharded_shapes(lambda p, a, b, c, k: init(p, a, b, c, k, **static), mesh,
                                         params, prompt, lens, active, key)
-                # A state as deep into decoding as the cache allows: cost does not depend on lengths' values.
-                drafted = _sharded_shapes(lambda p, s: stages.draft_jit(p, s, **static), mesh, params, state)
-                dcache, draft_BHV, hidden_BHD = drafted
-                tree_out = _sharded_shapes(
-                    lambda p, d, h, b: stages.select_jit(p, d, h, b, **static), mesh, params, draft_BHV, hidden_BHD,
-                    state.bonus_B)
-                stage_costs["draft"] = _cost(stages.draft_jit.lower(params, state, **static).compile())
-                stage_costs["select"] = _cost(stages.select_jit.lower(params, draft_BHV, hidden_BHD, state.bonus_B,
-                                                                      **static).compile())
-                stage_costs["verify"] = _cost(stages.verify_jit.lower(params, state, dcache, tree_out,
-                                                                      **static).compile())
+                dcache, draft_BHV, hidden_BHD = _sharded_shapes(lambda p, s: draft(p, s, **static), mesh, params, state)
+                tree_out = _sharded_shapes(lambda p, d, h, b: select(p, d, h, b, **static), mesh, params, draft_BHV,
+                                           hidden_BHD, state.bonus_B)
+                flops = {
+                    "draft": _flops(draft.lower(params, state, **static), devices),
+                    "select": _flops(select.lower(params, draft_BHV, hidden_BHD, state.bonus_B, **static), devices),
+                    "verify": _flops(verify.lower(params, state, dcache, tree_out, **static), devices),
+                }
+                traffic = round_traffic(tparams, dparams, scorer_kwargs.get("scorer_params"), state, draft_BHV,
+                                        tree_size, tcfg.vocab_size)
+                stage_costs = {k: {"flops": flops[k], "bytes": traffic[k]} for k in flops}
             cache = _sharded_shapes(lambda: KVCache.zeros(tcfg, B, report["cache_slots"]), mesh)
-            ar_cost = _cost(_ar_step.lower(tg, tparams, cache, rows((B,), jnp.int32)).compile())
-        report["cost_compile_s"] = time.perf_counter() - start
+            tokens = rows((B,), jnp.int32)
+            ar_cost = {"flops": _flops(_fresh(_ar_step).lower(tg, tparams, cache, tokens), devices),
+                       "bytes": ar_traffic(tparams, cache, tcfg.vocab_size)}
+        report["cost_lower_s"] = time.perf_counter() - start
+    report["cost_model"] = COST_NOTE
     report["stage_costs"] = stage_costs
     report["ar_step_cost"] = ar_cost
     report["flops_per_round"] = sum(c["flops"] for c in stage_costs.values()) if stage_costs else ar_cost["flops"]
@@ -349,7 +413,7 @@ def _use_cpu_devices(n: int) -> None:
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     with contextlib.suppress(Exception):  # backends already up (e.g. inside a test): keep what exists
-        jax.config.update("jax_num_cpu_devices", n)
+        jax.config.update("jax_num_cpu_devices", max(n, int(jax.config.jax_num_cpu_devices)))
 
 
 def format_report(r: dict) -> str:
@@ -360,7 +424,7 @@ def format_report(r: dict) -> str:
         f"{r['dtype']}; policy {r['policy']}" + (f" budget {r['budget']} (tree {r['tree_size']})" if r['budget'] else "")
         + f"; batch {r['batch']} (padded {r['padded_batch']}) x {r['prompt_tokens']} prompt tokens + "
         f"{r['max_new_tokens']} new; cache {r['cache_slots']} slots; mesh {r['mesh'][0]},{r['mesh'][1]}",
-        f"compiled for {r['devices']} CPU devices in {r['compile_s']:.1f} s (stage costs: {r['cost_compile_s']:.1f} s)",
+        f"compiled for {r['devices']} CPU devices in {r['compile_s']:.1f} s (stage costs lowered in {r['cost_lower_s']:.1f} s)",
         f"per device: {gib(r['per_device_bytes'])} = arguments {gib(m['argument_bytes'])} + outputs "
         f"{gib(m['output_bytes'])} + temporaries {gib(m['temp_bytes'])} (parameters {gib(r['params_bytes_total'])} "
         f"in all, before sharding)",
@@ -368,6 +432,7 @@ def format_report(r: dict) -> str:
         + "".join(f"; {k} {c['flops'] / 1e9:.1f} GFLOP {c['bytes'] / 1e9:.2f} GB" for k, c in r["stage_costs"].items()),
         f"per AR step per device: {r['ar_step_cost']['flops'] / 1e9:.1f} GFLOP, {r['ar_step_cost']['bytes'] / 1e9:.2f} GB",
         f"tau {r['tau']:.2f} ({r['tau_source']})",
+        "cost model: " + r["cost_model"],
         "",
         r["note"] + ":",
         f"{'part':10} {'AR ms/token':>12} {'round ms':>9} {'speedup':>8}  fits",
@@ -398,6 +463,9 @@ def main(argv=None) -> int:
         tcfg, dcfg = read_configs(args.target_config, None if args.policy == "ar" else args.drafter_config, args.dtype)
         _use_cpu_devices(shape[0] * shape[1])
         mesh = sharding.make_mesh(*shape, devices=jax.devices("cpu"))
+        sharding.check_config(tcfg, mesh, "target", replicate_kv=True)
+        if dcfg is not None:
+            sharding.check_config(dcfg, mesh, "drafter", replicate_kv=True)
         print(f"rehearsal on {sharding.describe(mesh)}: nothing is allocated; compiling (this can take minutes)",
               file=sys.stderr)
         report = rehearse(tcfg, dcfg, mesh, batch=args.batch, prompt_tokens=args.prompt_tokens,

@@ -32,8 +32,8 @@ PARTS: dict[str, Part] = {p.name: p for p in (
 )}
 
 MODEL_NOTE = ("ROOFLINE MODEL, NOT A MEASUREMENT: time = max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) per "
-              "device, from XLA's cost analysis of the CPU-compiled program and published peak figures; "
-              "collectives, launch and host overheads are ignored (a lower bound on time)")
+              "device, from XLA's FLOP count, a traffic model of the bytes (see cost model) and published peak "
+              "figures; collectives, launch and host overheads are ignored (a lower bound on time)")
 
 
 def seconds(part: Part, flops: float, bytes_accessed: float) -> float:
