@@ -147,6 +147,13 @@ COST_NOTE = (
     "neither is used)")
 
 
+CPU_NOTE = (
+    "per_device_bytes is what XLA:CPU's buffer assignment needs; for bfloat16 it overstates an accelerator: "
+    "XLA:CPU has no bfloat16 scatter, so it converts whole bf16 caches to float32 around each in-place cache "
+    "update (temporaries TPU and GPU do not need). params_bytes + cache_bytes (from the sharded shapes) is the "
+    "floor any device needs before activations")
+
+
 def _fresh(jitted):
     """A new jit of the same function, so tracing sees the current KEY_BLOCK (not a cached trace)."""
     static = ("target_graphdef", "drafter_graphdef", "scorer_graphdef", "config", "graphdef")
@@ -341,6 +348,12 @@ def rehearse(target_config, drafter_config, mesh, *, batch: int, prompt_tokens: 
             ar_cost = {"flops": _flops(_fresh(_ar_step).lower(tg, tparams, cache, tokens), devices),
                        "bytes": ar_traffic(tparams, cache, tcfg.vocab_size)}
         report["cost_lower_s"] = time.perf_counter() - start
+        kv = lambda c: _device_bytes((c.k_LBKHS, c.v_LBKSH))
+        report["per_device_floor"] = {
+            "params_bytes": _device_bytes(params if policy != "ar" else tparams),
+            "cache_bytes": kv(state.cache) + kv(state.dcache) if policy != "ar" else kv(cache),
+            "note": CPU_NOTE,
+        }
     report["cost_model"] = COST_NOTE
     report["stage_costs"] = stage_costs
     report["ar_step_cost"] = ar_cost
@@ -428,6 +441,8 @@ def format_report(r: dict) -> str:
         f"per device: {gib(r['per_device_bytes'])} = arguments {gib(m['argument_bytes'])} + outputs "
         f"{gib(m['output_bytes'])} + temporaries {gib(m['temp_bytes'])} (parameters {gib(r['params_bytes_total'])} "
         f"in all, before sharding)",
+        f"floor per device: parameters {gib(r['per_device_floor']['params_bytes'])} + KV caches "
+        f"{gib(r['per_device_floor']['cache_bytes'])} (XLA:CPU adds float32 copies of bfloat16 caches; see JSON)",
         f"per round per device: {r['flops_per_round'] / 1e9:.1f} GFLOP, {r['bytes_per_round'] / 1e9:.2f} GB accessed"
         + "".join(f"; {k} {c['flops'] / 1e9:.1f} GFLOP {c['bytes'] / 1e9:.2f} GB" for k, c in r["stage_costs"].items()),
         f"per AR step per device: {r['ar_step_cost']['flops'] / 1e9:.1f} GFLOP, {r['ar_step_cost']['bytes'] / 1e9:.2f} GB",
