@@ -115,18 +115,25 @@ def default_tau(policy: str, budget: int) -> float:
 
 def run(size: str, *, batches=(1, 8), budgets=(16, 32, 64, 128), policies=POLICY_NAMES, curve=CURVE,
         context: int = 512, reps: int = 10, dtype: str = "bfloat16", progress=None) -> dict:
-    """All measurements as a dict (see the module docstring)."""
-    from decode.stages import stage_times_ms
-    from taps_jax.decoder import SpeculativeDecoder
+    """All measurements as a dict (see the module docstring).
 
+    Per batch, one prefill and one draft serve every policy and budget (a round's draft does not
+    depend on the tree), so only select and verify compile per (policy, budget): fewer compiles of
+    the large target, which dominate the wall time on an accelerator.
+    """
+    from taps_jax.decoder import SpeculativeDecoder, tree_config
+    from taps_jax.engine import stages
+    from taps_jax.engine.speculative import SpecConfig
+
+    if min(budgets) < 15:  # the shared prefill sizes every state for trees of >= H + 1 nodes
+        raise ValueError(f"--budgets must be >= 15 (the drafter's 15 drafted positions), got {min(budgets)}")
     device = jax.devices()[0]
     target, drafter, scorer = random_models(size, dtype)
-    jobs = [("ar", b, None) for b in batches] + [("curve", b, t) for b in batches for t in curve]
-    for b in batches:
-        for policy in policies:
-            # A chain is DFlash's whole argmax path (H = block_size - 1 nodes), whatever the budget.
-            for budget in ((drafter.config.block_size - 1,) if policy == "chain" else budgets):
-                jobs.append((policy, b, budget))
+    H = drafter.config.block_size - 1
+    combos = [(policy, H if policy == "chain" else budget)  # a chain is DFlash's whole argmax path
+              for policy in policies for budget in ((H,) if policy == "chain" else budgets)]
+    jobs = ([("ar", b, None) for b in batches] + [("curve", b, t) for b in batches for t in curve]
+            + [("draft", b, None) for b in batches] + [(c, b, None) for b in batches for c in combos])
     bar = tqdm(jobs, desc=f"device_bench {size}", unit="config", file=sys.stderr, disable=progress is False)
     out = {
         "note": ("MEASURED on this device with RANDOM weights (no downloads); the predicted speedup combines these "
@@ -137,24 +144,47 @@ def run(size: str, *, batches=(1, 8), budgets=(16, 32, 64, 128), policies=POLICY
         "target": {k: getattr(target.config, k) for k in ("num_layers", "hidden_size", "vocab_size", "num_heads",
                                                            "num_kv_heads", "intermediate_size")},
         "drafter_layers": drafter.config.num_layers, "block_size": drafter.config.block_size,
-        "ar_ms": {}, "verify_curve_ms": {}, "rounds": [],
+        "ar_ms": {}, "verify_curve_ms": {}, "draft_ms": {}, "rounds": [],
     }
-    prompts = {b: [[5 + i] * context for i in range(b)] for b in batches}
+    scorer_graphdef, scorer_params = nnx.split(scorer.module)
+    ready = {}
     for kind, b, arg in bar:
-        bar.set_postfix_str(f"{kind} batch {b}" + (f" {arg}" if arg else ""))
+        bar.set_postfix_str(f"{kind if isinstance(kind, str) else '%s %d' % kind} batch {b}")
         if kind == "ar":
             out["ar_ms"][str(b)] = forward_ms(target, b, 1, context, reps)
         elif kind == "curve":
             out["verify_curve_ms"].setdefault(str(b), {})[str(arg)] = forward_ms(target, b, arg, context, reps)
+        elif kind == "draft":
+            # Prefill once, sized for the largest tree; time the draft stage on that state.
+            decoder = SpeculativeDecoder(target, drafter, "ddtree", max(budgets))
+            _, args, kwargs = decoder.prepare([[5 + i] * context for i in range(b)], 64)
+            tg, tp, dg, dp, prompt, lens, active, key = args
+            static = dict(target_graphdef=tg, drafter_graphdef=dg, scorer_graphdef=None, config=kwargs["config"])
+            state = stages.init_jit((tp, dp, None), prompt, lens, active, key, **static)
+            draft = lambda: stages.draft_jit((tp, dp, None), state, **static)
+            out["draft_ms"][str(b)] = _median_ms(draft, reps)
+            ready[b] = (tg, tp, dg, dp, kwargs["config"].decode, state, draft())
         else:
-            decoder = SpeculativeDecoder(target, drafter, kind, arg, scorer=scorer if kind == "taps" else None)
-            times = stage_times_ms(decoder, prompts[b], 64, reps)
+            policy, budget = kind
+            tg, tp, dg, dp, decode, state, (dcache, draft_BHV, hidden_BHD) = ready[b]
+            tree = tree_config(policy, budget, target.config.vocab_size)
+            taps = policy == "taps"
+            static = dict(target_graphdef=tg, drafter_graphdef=dg, scorer_graphdef=scorer_graphdef if taps else None,
+                          config=SpecConfig(decode, tree))
+            params = (tp, dp, scorer_params if taps else None)
+            select = lambda: stages.select_jit(params, draft_BHV, hidden_BHD, state.bonus_B, **static)
+            select_ms = _median_ms(select, reps)
+            chosen = select()
+            verify_ms = _median_ms(lambda: stages.verify_jit(params, state, dcache, chosen, **static), reps)
+            times = {"draft": out["draft_ms"][str(b)]["median"], "select": select_ms["median"],
+                     "verify": verify_ms["median"]}
             round_ms = sum(times.values())
-            tau = default_tau(kind, arg)
+            tau = default_tau(policy, budget)
             ar = out["ar_ms"][str(b)]["median"]
-            out["rounds"].append({"policy": kind, "budget": None if kind == "chain" else arg, "batch": b,
-                                  "tree_size": decoder.tree.tree_size(decoder.horizon),
-                                  "stage_ms": times, "round_ms": round_ms, "tau_default_set": tau,
+            out["rounds"].append({"policy": policy, "budget": None if policy == "chain" else budget, "batch": b,
+                                  "tree_size": tree.tree_size(H), "stage_ms": times,
+                                  "spread_ms": {"select": select_ms, "verify": verify_ms},
+                                  "round_ms": round_ms, "tau_default_set": tau,
                                   "predicted_speedup": tau * ar / round_ms})
     return out
 
@@ -250,6 +280,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
+    if min(args.budgets) < 15:
+        parser.error(f"--budgets must be >= 15 (the drafter's 15 drafted positions), got {min(args.budgets)}")
     start = time.perf_counter()
     result = run(args.size, batches=args.batches, budgets=args.budgets, policies=args.policies, curve=args.curve,
                  context=args.context, reps=args.reps, dtype=args.dtype)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -232,14 +231,13 @@ def rehearse(target_config, drafter_config, mesh, *, batch: int, prompt_tokens: 
     their shardings, so a 4B-parameter target costs no memory, only compile time.
     """
     from taps_jax import sharding
-    from taps_jax.checkpoints.scorer import ScorerModel  # noqa: F401  (scorer module registry)
     from taps_jax.decoder import POLICIES, tree_config
     from taps_jax.engine import speculative as spec
     from taps_jax.engine import stages
     from taps_jax.engine.ar import DecodeConfig, ar_generate
     from taps_jax.engine.batching import bucket
     from taps_jax.engine.prefill import cache_slots
-    from taps_jax.engine.sampling import SamplingConfig, sample
+    from taps_jax.engine.sampling import SamplingConfig
     from taps_jax.engine.sizing import estimate_memory, plan_capacity
     from taps_jax.models.cache import KVCache
     from taps_jax.models.drafter import Drafter

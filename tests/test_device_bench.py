@@ -10,7 +10,7 @@ from decode import device_bench
 
 
 def test_tiny_device_bench_on_cpu(tmp_path, capsys):
-    assert device_bench.main(["--size", "tiny", "--batches", "2", "--policies", "chain,taps", "--budgets", "8",
+    assert device_bench.main(["--size", "tiny", "--batches", "2", "--policies", "chain,taps", "--budgets", "16",
                               "--curve", "1,4", "--reps", "2", "--context", "32", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "device_bench_tiny.json").read_text())
     assert (tmp_path / "device_bench_tiny.png").stat().st_size > 0
@@ -22,7 +22,7 @@ def test_tiny_device_bench_on_cpu(tmp_path, capsys):
         assert set(r["stage_ms"]) == {"draft", "select", "verify"} and r["round_ms"] > 0
         ar = result["ar_ms"][str(r["batch"])]["median"]
         assert r["predicted_speedup"] == pytest.approx(r["tau_default_set"] * ar / r["round_ms"])
-    assert rows[("taps", 2)]["tree_size"] == 9 and rows[("chain", 2)]["tree_size"] == 16
+    assert rows[("taps", 2)]["tree_size"] == 17 and rows[("chain", 2)]["tree_size"] == 16
     assert "RANDOM weights" in result["note"] and result["device"].startswith("cpu")
     assert "predicted" in capsys.readouterr().out
 

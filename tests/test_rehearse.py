@@ -12,7 +12,6 @@ import gc
 import json
 
 import jax
-import numpy as np
 import pytest
 
 from decode import rehearse, roofline
