@@ -88,7 +88,9 @@ class SpeculativeDecoder:
     scorer is replicated, and each batch is split over "data" (padded to a
     multiple of it with inactive rows; results hold only your prompts).
     Default: the target's mesh (`load_target(path, mesh=...)`), i.e. one
-    device for a target loaded without one. Tokens are the same as on one
+    device for a target loaded without one. A model axis that divides the
+    query heads but not the kv heads repeats each kv head of target and
+    drafter (`sharding.replicate_kv_heads`). Tokens are the same as on one
     device.
 
     prefill_chunk: prompt tokens per prefill step (default 512): a prompt is
