@@ -37,18 +37,22 @@ class Target:
     mesh: a `taps_jax.sharding.make_mesh` mesh; the params are placed on it by
     the logical-axis rules (heads / kv heads / MLP / vocab over "model") and
     `generate` splits the batch over "data" (padding it to a multiple of the
-    data axis). None (default): one device, as before.
+    data axis). A model axis that divides the query heads but not the kv
+    heads gets each kv head repeated (`sharding.replicate_kv_heads`; `config`
+    then reports the repeated count). None (default): one device, as before.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, eos_ids: tuple[int, ...] = (),
                  mesh=None):
+        if mesh is not None:
+            sharding.check_config(model.config, mesh, "target", replicate_kv=True)
+            model = sharding.replicate_kv_heads(model, mesh)  # a model axis wider than the kv heads
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:
-            sharding.check_config(model.config, mesh, "target")
             self.params = sharding.shard_params(self.params, mesh)
 
     def on_mesh(self, mesh) -> "Target":
@@ -158,7 +162,7 @@ def load_target(path, dtype: str = "float32", mesh=None) -> Target:
     else:
         raw = read_json(path / "config.json")
         config = config_from_hf(raw, str(path / "config.json"), dtype)
-        sharding.check_config(config, mesh, "target")
+        sharding.check_config(config, mesh, "target", replicate_kv=True)
         abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
         model = sharding.load_module(abstract, path, _prefix, str(path), mesh, ignored_tensors(config))
     eos = stop_ids(path, raw)

@@ -53,7 +53,7 @@ def load_drafter(path, dtype: str = "float32", mesh=None) -> DrafterModel:
         module, _ = load_drafter_module(path, dtype)
         return DrafterModel(module)
     config = read_drafter_config(path, dtype)
-    sharding.check_config(config, mesh, "drafter")
+    sharding.check_config(config, mesh, "drafter", replicate_kv=True)
     abstract = nnx.eval_shape(lambda: Drafter(config, nnx.Rngs(0)))
     module = sharding.load_module(abstract, Path(path), _no_prefix, str(path), mesh,
                                   ignore=lambda name: name.endswith("rotary_emb.inv_freq"))
@@ -99,7 +99,9 @@ class SpeculativeDecoder:
     scorer is replicated, and each batch is split over "data" (padded to a
     multiple of it with inactive rows; results hold only your prompts).
     Default: the target's mesh (`load_target(path, mesh=...)`), i.e. one
-    device for a target loaded without one. Tokens are the same as on one
+    device for a target loaded without one. A model axis that divides the
+    query heads but not the kv heads repeats each kv head of target and
+    drafter (`sharding.replicate_kv_heads`). Tokens are the same as on one
     device.
 
     prefill_chunk: prompt tokens per prefill step (default 512): a prompt is
@@ -151,9 +153,12 @@ class SpeculativeDecoder:
         if policy != "ar":
             self.tree = tree_config(policy, budget, target.config.vocab_size, lattice_k, beam_width)
             self.tree.validate(drafter.config.block_size - 1, target.config.vocab_size)
+        module = drafter.module
         if self.mesh is not None:
-            sharding.check_config(drafter.config, self.mesh, "drafter")
-        self._drafter_graphdef, self._drafter_params = nnx.split(drafter.module)
+            sharding.check_config(drafter.config, self.mesh, "drafter", replicate_kv=True)
+            module = sharding.replicate_kv_heads(module, self.mesh)  # no-op once loaded onto this mesh
+        self._drafter_config = module.config  # kv heads as the caches will hold them
+        self._drafter_graphdef, self._drafter_params = nnx.split(module)
         self._drafter_params = sharding.shard_params(self._drafter_params, self.mesh)
 
     @property
@@ -186,7 +191,7 @@ class SpeculativeDecoder:
         prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(mesh))
         estimate = estimate_memory(
             self.target.config, params_bytes(self.target.params, self._drafter_params), prompt.shape[0],
-            prompt.shape[1], capacity, drafter=self.drafter.config, tree_size=tree_size, chunk=prefill_chunk)
+            prompt.shape[1], capacity, drafter=self._drafter_config, tree_size=tree_size, chunk=prefill_chunk)
         check_memory(estimate, mesh)
         decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else (),
                               prefill_chunk)

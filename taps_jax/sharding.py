@@ -43,8 +43,11 @@ Logical rules
     Embeddings are vocab-parallel (they are the largest single tensors of
     real targets and the head's logits come out vocab-sharded); a vocabulary
     that the model axis does not divide is replicated instead (the only
-    "soft" axis). Heads, kv heads and the MLP width must divide the model
-    axis: `check_config` says so before anything is loaded.
+    "soft" axis). Heads and the MLP width must divide the model axis:
+    `check_config` says so before anything is loaded. KV heads that the
+    model axis does not divide are repeated for decoding
+    (`replicate_kv_heads`: weights, hence caches, grow to lcm(K, M) heads;
+    training still requires the model axis to divide them).
 
 Padding
     A batch that the data axis does not divide is padded (`padded_batch`) with
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 from pathlib import Path
@@ -190,21 +194,86 @@ def use_mesh(mesh: Mesh | None):
 # --------------------------------------------------------------------------- rules
 
 
-def check_config(config, mesh: Mesh | None, what: str = "model") -> None:
-    """Heads, kv heads and MLP width must divide the model axis (a ModelConfig or DrafterConfig)."""
+def kv_replicas(config, mesh: Mesh | None) -> int:
+    """How many copies of each kv head a model axis needs (1: the model axis divides the kv heads).
+
+    A model axis M that does not divide the K kv heads (e.g. 8 kv heads on a
+    v5e-16 slice) still works when it divides the N query heads: each kv head
+    is repeated r = lcm(K, M) / K times, so every device holds the kv heads its
+    own query heads read. r divides the group size N / K (both K and M divide
+    N), so query head h still reads (a copy of) kv head h // (N / K).
+    """
+    m, k = model_size(mesh), config.num_kv_heads
+    if k % m == 0:
+        return 1
+    return math.lcm(k, m) // k
+
+
+def check_config(config, mesh: Mesh | None, what: str = "model", replicate_kv: bool = False) -> None:
+    """Heads, kv heads and MLP width must divide the model axis (a ModelConfig or DrafterConfig).
+
+    replicate_kv: kv heads need not divide the model axis (decoding repeats
+    them, `replicate_kv_heads`); heads and the MLP width still must.
+    """
     m = model_size(mesh)
     if m == 1:
         return
     n = mesh.devices.size
     values = {"attention heads": config.num_heads, "kv heads": config.num_kv_heads,
               "MLP hidden size": config.intermediate_size}
+    if replicate_kv:
+        del values["kv heads"]
     for label, value in values.items():
         if value % m:
             fits = max(d for d in range(1, n + 1) if n % d == 0 and all(v % d == 0 for v in values.values()))
+            need = "the heads and MLP width" if replicate_kv else "the heads, kv heads and MLP width"
             raise ValueError(
                 f"the {what}'s {label} ({value}) are not divisible by the model axis ({m}); "
-                f"use a model axis that divides the heads, kv heads and MLP width, e.g. --mesh {n // fits},{fits}"
+                f"use a model axis that divides {need}, e.g. --mesh {n // fits},{fits}"
             )
+
+
+_KV_PARAM = re.compile(r"(^|\.)self_attn\.[kv]_proj\.(kernel|bias)$")
+
+
+def _repeat_kv(x, r: int, head_dim: int):
+    """[..., K*H] -> [..., K*r*H]: each head's H columns repeated r times in place (head k -> k*r .. k*r+r-1)."""
+    *lead, width = x.shape
+    k = width // head_dim
+    x = jax.numpy.broadcast_to(x.reshape(*lead, k, 1, head_dim), (*lead, k, r, head_dim))
+    return x.reshape(*lead, k * r * head_dim)
+
+
+def replicate_kv_heads(module, mesh: Mesh | None):
+    """The module (Transformer or Drafter) with kv heads repeated for `mesh`'s model axis, sharded on it.
+
+    Returns the module unchanged when no copy is needed (`kv_replicas` == 1).
+    Otherwise the k/v projections are widened to lcm(K, M) heads, the
+    config says so (the caches follow it), and the new parameters come out
+    of one jitted repeat already placed by the rules: the same function as
+    the original, so greedy tokens match one device.
+    """
+    from flax import nnx
+
+    r = kv_replicas(module.config, mesh)
+    if r == 1:
+        return module
+    config = module.config.replace(num_kv_heads=module.config.num_kv_heads * r)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: type(module)(config, nnx.Rngs(0))))
+    _, params = nnx.split(module)
+
+    def expand(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: _repeat_kv(x, r, config.head_dim) if _KV_PARAM.search(_path_name(path)) else x, params)
+
+    return nnx.merge(graphdef, jax.jit(expand, out_shardings=param_shardings(abstract, mesh))(params))
+
+
+def load_spec(name: str, shape, mesh: Mesh, replicate_kv: bool = False) -> P:
+    """`param_spec`, except that k/v projections are read whole when they are about to be repeated."""
+    if replicate_kv and _KV_PARAM.search(name):
+        return P()
+    return param_spec(name, shape, mesh)
 
 
 def _path_name(path) -> str:
@@ -436,7 +505,8 @@ def load_module(abstract, path, prefix_of: Callable[[tuple], str], source: str, 
                              + ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""))
         for p, var, name, transpose in plan:
             shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
-            sharding = NamedSharding(mesh, param_spec(".".join(str(k) for k in p), shape, mesh))
+            replicate_kv = kv_replicas(abstract.config, mesh) > 1  # repeated after loading
+            sharding = NamedSharding(mesh, load_spec(".".join(str(k) for k in p), shape, mesh, replicate_kv))
             tensor = where[name].get_slice(name)
             read: dict[tuple, np.ndarray] = {}  # replicated slices are read once, not once per device
 
@@ -450,7 +520,7 @@ def load_module(abstract, path, prefix_of: Callable[[tuple], str], source: str, 
                 return read[key]
 
             var.set_value(jax.make_array_from_callback(shape, sharding, block))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return replicate_kv_heads(nnx.merge(graphdef, nnx.from_flat_state(flat)), mesh)
 
 
 # --------------------------------------------------------------------------- multi-host

@@ -121,12 +121,17 @@ def test_param_rules_by_path():
 
 
 def test_divisibility_errors_are_clear():
-    bad = TARGET_CFG.replace(num_kv_heads=2)
+    two_kv = TARGET_CFG.replace(num_kv_heads=2)
+    # Training keeps the strict rule; decoding repeats the kv heads instead (test_kv_head_replication_*).
     with pytest.raises(ValueError, match=r"kv heads \(2\) are not divisible by the model axis \(4\).*--mesh 4,2"):
-        sharding.check_config(bad, mesh_of((2, 4)))
-    sharding.check_config(bad, mesh_of((4, 2)))  # fine
-    with pytest.raises(ValueError, match="kv heads"):
-        Target(Transformer(bad, nnx.Rngs(0)), mesh=mesh_of((2, 4)))
+        sharding.check_config(two_kv, mesh_of((2, 4)))
+    sharding.check_config(two_kv, mesh_of((4, 2)))  # fine
+    sharding.check_config(two_kv, mesh_of((2, 4)), replicate_kv=True)  # fine: 2 kv heads -> 4 copies
+    assert Target(Transformer(two_kv, nnx.Rngs(0)), mesh=mesh_of((2, 4))).config.num_kv_heads == 4
+    # Query heads must still divide the model axis; the error names a mesh that works.
+    with pytest.raises(ValueError, match=r"attention heads \(4\) are not divisible by the model axis \(8\); "
+                                         r"use a model axis that divides the heads and MLP width, e.g. --mesh 2,4"):
+        Target(Transformer(two_kv, nnx.Rngs(0)), mesh=mesh_of((1, 8)))
     with pytest.raises(ValueError, match=r"dimension 6 \(mlp\) is not divisible by the 'model' mesh axis \(4\)"):
         sharding.param_spec("layers.0.mlp.up_proj.kernel", (32, 6), mesh_of((2, 4)))
     with pytest.raises(ValueError, match="batch of 3 rows is not divisible by the data axis"):
@@ -235,6 +240,67 @@ def test_cli_mesh_errors_are_one_line(model_dir):
         cli.main(["--model", str(model_dir), "--prompt", "x", "--mesh", "four", "--policy", "ar"])
     with pytest.raises(ValueError, match="only apply with --distributed"):
         cli.main(["--model", str(model_dir), "--prompt", "x", "--process-id", "0", "--policy", "ar"])
+
+
+# --------------------------------------------------------------------------- kv-head replication
+
+# 8 query heads over 2 kv heads: model axes 4 and 8 need each kv head repeated 2 and 4 times.
+GQA_TARGET = TARGET_CFG.replace(num_heads=8, num_kv_heads=2, head_dim=4)
+GQA_DRAFTER = DRAFTER_CFG.replace(num_heads=8, num_kv_heads=2, head_dim=4)
+
+
+def test_kv_replicas_and_repeated_weights():
+    assert sharding.kv_replicas(GQA_TARGET, mesh_of((4, 2))) == 1
+    assert sharding.kv_replicas(GQA_TARGET, mesh_of((2, 4))) == 2
+    assert sharding.kv_replicas(GQA_TARGET, mesh_of((1, 8))) == 4
+    assert sharding.kv_replicas(TARGET_CFG.replace(num_kv_heads=4, num_heads=12), None) == 1
+    model = Transformer(GQA_TARGET.replace(family="qwen2"), nnx.Rngs(0))  # qwen2: k/v biases too
+    mesh = mesh_of((1, 8))
+    wide = sharding.replicate_kv_heads(model, mesh)
+    assert wide.config.num_kv_heads == 8 and wide.layers[0].self_attn.num_kv_heads == 8
+    for name in ("k_proj", "v_proj"):
+        for leaf in ("kernel", "bias"):
+            old = np.asarray(getattr(getattr(model.layers[1].self_attn, name), leaf).get_value())
+            new = getattr(getattr(wide.layers[1].self_attn, name), leaf).get_value()
+            assert new.sharding.spec[-1] == "model"
+            new = np.asarray(new).reshape(*old.shape[:-1], 2, 4, 4)  # [.., K, r, H]
+            for copy in range(4):
+                np.testing.assert_array_equal(new[..., copy, :].reshape(old.shape), old)
+    # Query head h reads kv head h // 4 (of 2) before and copy h // 1 (of 8) after: the same head.
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(wide.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gqa_models")
+    tok_file = train_tokenizer(root / "tok", vocab_size=VOCAB, max_bytes=40_000, show_progress=False)
+    target = Target(Transformer(GQA_TARGET, nnx.Rngs(0)), Tokenizer.from_file(tok_file), (0,))
+    target.save(root / "target")
+    drafter = DrafterModel(Drafter(GQA_DRAFTER, nnx.Rngs(1)))
+    drafter.save(root / "drafter")
+    random_scorer(target, drafter).save(root / "scorer")
+    return root
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kv_head_replication_matches_one_device(gqa_dir, shape):
+    """2 kv heads on a model axis of 4 and 8: every policy gives the single-device greedy tokens."""
+    reference = load_model_set(gqa_dir).target.generate(PROMPTS, NEW)
+    mesh = mesh_of(shape)
+    models = load_model_set(gqa_dir, mesh=mesh)  # sharded load, then kv heads repeated on the mesh
+    assert models.target.config.num_kv_heads == shape[1] and models.drafter.config.num_kv_heads == shape[1]
+    k = models.target.params["layers"][0]["self_attn"]["k_proj"]["kernel"].get_value()
+    assert k.sharding == NamedSharding(mesh, P(None, "model"))
+    for policy in ["ar", "chain", "ddtree", "taps"]:
+        decoder = SpeculativeDecoder(models.target, models.drafter if policy != "ar" else None, policy, BUDGET,
+                                     scorer=models.scorer if policy == "taps" else None)
+        assert decoder.generate(PROMPTS, NEW).tokens == reference.tokens, f"{policy} on mesh {shape}"
+    # A drafter loaded on one device is repeated by the decoder for its mesh.
+    plain = load_model_set(gqa_dir)
+    decoder = SpeculativeDecoder(plain.target, plain.drafter, "ddtree", BUDGET, mesh=mesh)
+    assert decoder._drafter_config.num_kv_heads == shape[1]
+    assert decoder.generate(PROMPTS, NEW).tokens == reference.tokens
 
 
 # --------------------------------------------------------------------------- training
