@@ -99,9 +99,11 @@ from taps_jax.engine.batching import bucket
 from taps_jax.models.drafter import Drafter
 from taps_jax.models.transformer import Transformer
 from train import loop
+from train.preset import known_presets, read_preset
+from train.data import (PROMPT_DIGESTS, Example, encode_examples, hash_split, read_examples,
+                        resolve_mask_token, write_prompt_digests)
 from train.tokenizer import MASK_ID, PAD_ID
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ANCHOR_REGIONS = ("continuation", "all")
 
 
@@ -328,22 +330,6 @@ def generate_sequences(
         }, indent=2))
         shutil.rmtree(parts, ignore_errors=True)
     return seqs
-
-
-def corpus_prompts(target: Target, split: str, n: int, seed: int, max_tokens: int | None = None) -> list[list[int]]:
-    """n function-signature prompts of a corpus split, tokenised with the target's tokenizer.
-
-    max_tokens keeps only the LAST tokens of longer prompts (the sequence
-    width is the longest prompt + gen_tokens for every row, so a few long
-    prompts would pad all rows; the default set's prompts are 25 tokens on
-    average, 69 at the 99th percentile, 113 at most).
-    """
-    from train.corpus import build_prompts
-
-    if target.tokenizer is None:
-        raise ValueError("the target has no tokenizer.json; distillation prompts are text, add the tokenizer")
-    ids = target.encode([p["prompt"] for p in build_prompts(split, n=n, seed=seed)])
-    return [p[-max_tokens:] for p in ids] if max_tokens else ids
 
 
 # --------------------------------------------------------------------------- anchors and batches
@@ -742,9 +728,10 @@ def export(out: Path, drafter_graphdef, params) -> Path:
 
 DEFAULTS = {
     "drafter": {"num_layers": 1, "block_size": 16, "num_taps": 3, "target_layer_ids": None,
-                "mask_token_id": MASK_ID, "intermediate_size": None},
+                "mask_token_id": None, "intermediate_size": None},
     "data": {"num_sequences": 4096, "gen_tokens": 256, "greedy_fraction": 0.5, "temperature": 0.9,
-             "gen_batch_size": 64, "val_sequences": 128, "val_split": "validation", "max_prompt_tokens": 64},
+             "gen_batch_size": 64, "val_sequences": 128, "val_split": "validation", "max_prompt_tokens": 64,
+             "val_fraction": 0.05},
     "optim": {"lr": 6e-4, "warmup_ratio": 0.04, "weight_decay": 0.01, "min_lr_ratio": 0.05, "clip_norm": 1.0,
               "b1": 0.9, "b2": 0.95},
     "train": {"steps": 2000, "batch_size": 8, "anchors_per_seq": 16, "gamma": None,
@@ -754,14 +741,8 @@ DEFAULTS = {
 
 
 def load_preset(name_or_path: str) -> dict:
-    """configs/drafter_<name>.json (or a path) merged over DEFAULTS, section by section."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"drafter_{name_or_path}.json"
-    if not path.is_file():
-        known = sorted(p.stem.removeprefix("drafter_") for p in CONFIG_DIR.glob("drafter_*.json"))
-        raise ValueError(f"no drafter preset {name_or_path!r} ({path} does not exist); known: {', '.join(known)}")
-    raw = json.loads(path.read_text())
+    """train/presets/drafter_<name>.json (or a path) merged over DEFAULTS, section by section."""
+    path, raw = read_preset("drafter", name_or_path)
     unknown = set(raw) - set(DEFAULTS) - {"comment"}
     if unknown:
         raise ValueError(f"{path}: unknown sections {sorted(unknown)}; use {', '.join(DEFAULTS)}")
@@ -779,6 +760,7 @@ FLAGS = {  # flag dest -> (section, field)
     "greedy_fraction": ("data", "greedy_fraction"), "temperature": ("data", "temperature"),
     "gen_batch_size": ("data", "gen_batch_size"), "val_sequences": ("data", "val_sequences"),
     "val_split": ("data", "val_split"), "max_prompt_tokens": ("data", "max_prompt_tokens"),
+    "val_fraction": ("data", "val_fraction"), "mask_token_id": ("drafter", "mask_token_id"),
     "layers": ("drafter", "num_layers"), "block_size": ("drafter", "block_size"),
     "taps": ("drafter", "target_layer_ids"),
     "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
@@ -790,31 +772,56 @@ FLAGS = {  # flag dest -> (section, field)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Distil a DFlash drafter from a target's own generations.")
-    p.add_argument("--target", type=Path, required=True, help="target checkpoint dir (HF layout + tokenizer.json)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--preset", default="default", help="configs/drafter_<name>.json or a path")
-    p.add_argument("--num-sequences", type=int, help="train-split prompts to continue")
-    p.add_argument("--gen-tokens", type=int, help="tokens generated per prompt")
-    p.add_argument("--greedy-fraction", type=float, help="share of greedy continuations (rest sampled)")
-    p.add_argument("--temperature", type=float, help="temperature of the sampled continuations")
-    p.add_argument("--gen-batch-size", type=int)
-    p.add_argument("--val-sequences", type=int)
-    p.add_argument("--val-split", choices=("validation", "heldout"))
-    p.add_argument("--max-prompt-tokens", type=int, help="keep the last N tokens of longer prompts")
-    p.add_argument("--layers", type=int, help="drafter layers")
-    p.add_argument("--block-size", type=int, help="Kb (H = Kb - 1 drafted positions)")
-    p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="target layer ids to tap, e.g. 1,3,5 (default: 3 spread over [1, L-1])")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int, help="sequences per step")
-    p.add_argument("--anchors-per-seq", type=int)
-    p.add_argument("--gamma", type=float, help="loss-weight decay (default 7 * (Kb-1) / 15)")
-    p.add_argument("--anchor-region", choices=ANCHOR_REGIONS)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--checkpoint-every-s", type=float)
-    p.add_argument("--seed", type=int)
+    p = argparse.ArgumentParser(
+        prog="python -m train.distill",
+        description="Distil a DFlash drafter from a target's own continuations of your prompts. Data: --prompts "
+                    "FILE.jsonl (your prompts, optionally with responses) or --corpus DIR (function-signature "
+                    "prompts from the .py files under DIR, split by file). The exported drafter lands in OUT/export.")
+    p.add_argument("--target", type=Path, required=True,
+                   help="target checkpoint dir (Hugging Face layout: config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="training dir (checkpoints, data cache, metrics); the drafter is exported to OUT/export")
+    p.add_argument("--preset", default="default",
+                   help=f"drafter preset: one of {', '.join(known_presets('drafter'))} (train/presets/drafter_NAME.json, "
+                        f"shipped with the package; 'tiny' is a seconds-long smoke test) or a JSON file path")
+    data = p.add_argument_group("data (give --prompts or --corpus)")
+    data.add_argument("--prompts", type=Path,
+                      help='JSONL, one {"prompt": "..."} or {"ids": [...]} per line (the target continues each), or '
+                           '{"prompt": ..., "response": ...} / {"ids": ..., "response_ids": ...} (continuations '
+                           'given: no generation). Every line is used; --num-sequences does not apply')
+    data.add_argument("--val-prompts", type=Path,
+                      help="validation prompts in the same format (default: the --val-fraction of --prompts "
+                           "lines picked by a stable hash of each line)")
+    data.add_argument("--val-fraction", type=float, help="held-out share of --prompts when no --val-prompts (0.05)")
+    data.add_argument("--corpus", type=Path,
+                      help="instead of --prompts: a tree of .py files; prompts are function signatures of its "
+                           "train split, validation prompts of its validation split (split by file path hash)")
+    data.add_argument("--num-sequences", type=int, help="--corpus: train-split prompts to continue")
+    data.add_argument("--val-sequences", type=int, help="--corpus: validation prompts to continue")
+    data.add_argument("--val-split", choices=("validation", "heldout"), help="--corpus: split of the validation prompts")
+    data.add_argument("--gen-tokens", type=int, help="tokens generated per prompt (responses are cut to this length)")
+    data.add_argument("--greedy-fraction", type=float, help="share of greedy continuations (rest sampled)")
+    data.add_argument("--temperature", type=float, help="temperature of the sampled continuations")
+    data.add_argument("--gen-batch-size", type=int, help="prompts per generation batch")
+    data.add_argument("--max-prompt-tokens", type=int, help="keep the last N tokens of longer prompts")
+    model = p.add_argument_group("drafter")
+    model.add_argument("--mask-token-id", type=int,
+                       help="the drafter's mask token: an id of the target's vocabulary that never occurs in the "
+                            "data (default: the tokenizer's mask special token, e.g. <|mask|>; refused if none)")
+    model.add_argument("--layers", type=int, help="drafter layers")
+    model.add_argument("--block-size", type=int, help="Kb (H = Kb - 1 drafted positions)")
+    model.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
+                       help="target layer ids to tap, e.g. 1,3,5 (default: 3 spread over [1, L-1])")
+    train = p.add_argument_group("training")
+    train.add_argument("--steps", type=int, help="optimizer steps")
+    train.add_argument("--batch-size", type=int, help="sequences per step")
+    train.add_argument("--anchors-per-seq", type=int, help="draft blocks per sequence per step")
+    train.add_argument("--gamma", type=float, help="loss-weight decay (default 7 * (Kb-1) / 15)")
+    train.add_argument("--anchor-region", choices=ANCHOR_REGIONS, help="where blocks may start")
+    train.add_argument("--lr", type=float, help="peak learning rate (AdamW, warmup + cosine)")
+    train.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
+    train.add_argument("--checkpoint-every-s", type=float, help="seconds between checkpoints")
+    train.add_argument("--seed", type=int, help="initialisation, data order and sampling seed")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")
     p.add_argument("--bench", type=int, default=0, metavar="N",
@@ -842,18 +849,84 @@ def _settings(args) -> dict:
     return s
 
 
+def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, validation) examples from --prompts/--val-prompts or --corpus; checked before any model loads."""
+    if (args.prompts is None) == (args.corpus is None):
+        which = "both" if args.prompts is not None else "neither"
+        raise ValueError(f"give your data with --prompts FILE.jsonl (prompts, optionally with responses) or --corpus "
+                         f"DIR (a tree of .py files); got {which}")
+    if args.val_prompts is not None and args.prompts is None:
+        raise ValueError("--val-prompts goes with --prompts (--corpus takes its validation prompts from its own split)")
+    if args.prompts is not None:
+        examples = read_examples(args.prompts)
+        if args.val_prompts is not None:
+            train, val = examples, read_examples(args.val_prompts)
+            both = {e.key for e in train} & {e.key for e in val}
+            if both:
+                raise ValueError(f"{len(both)} lines of --val-prompts {args.val_prompts} are also in --prompts "
+                                 f"{args.prompts}; validation must be held out, so remove them from one file")
+        else:
+            train, val = hash_split(examples, data["val_fraction"])
+            if not train:
+                raise ValueError(f"{args.prompts}: every line fell in the held-out split; lower --val-fraction or "
+                                 f"give --val-prompts")
+        if len({e.has_response for e in train + val}) > 1:
+            raise ValueError("--prompts and --val-prompts must both have responses or both have none")
+        return train, val
+    if not args.corpus.is_dir():
+        raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
+    from train.corpus import build_prompts
+
+    def take(split, n, seed):
+        return [Example(p["prompt"]) for p in build_prompts(split, n=n, seed=seed, root=args.corpus)]
+
+    return take("train", data["num_sequences"], seed), take(data["val_split"], data["val_sequences"], seed + 1)
+
+
+def sequences_from_pairs(pairs, gen_tokens: int, max_prompt_tokens: int | None, seq_multiple: int = 16) -> Sequences:
+    """Given prompt + response pairs as Sequences (prompts keep their last tokens, responses their first)."""
+    rows = [((p[-max_prompt_tokens:] if max_prompt_tokens else p), r[:gen_tokens]) for p, r in pairs]
+    width = -(-max(len(p) + len(r) for p, r in rows) // seq_multiple) * seq_multiple
+    tokens = np.full((len(rows), width), PAD_ID, np.int32)
+    for i, (p, r) in enumerate(rows):
+        tokens[i, : len(p) + len(r)] = p + r
+    return Sequences(tokens, np.array([len(p) for p, _ in rows], np.int32),
+                     np.array([len(p) + len(r) for p, r in rows], np.int32))
+
+
+def _export(out: Path, graphdef, params) -> Path:
+    path = export(out / "export", graphdef, params)
+    digests = out / PROMPT_DIGESTS
+    if digests.is_file():  # train.traces refuses these prompts
+        shutil.copy(digests, path / PROMPT_DIGESTS)
+    return path
+
+
 def _main(args) -> int:
     s = _settings(args)
     d, data, tr, op = s["drafter"], s["data"], s["train"], s["optim"]
-    mesh = sharding.setup_mesh(args)
-    target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
-    dcfg = make_drafter_config(
-        target.config, num_layers=d["num_layers"], block_size=d["block_size"],
-        target_layer_ids=d["target_layer_ids"], num_taps=d["num_taps"], mask_token_id=d["mask_token_id"],
-        intermediate_size=d["intermediate_size"],
-    )
     config = DistillConfig(**tr)
     optim = distill_optim(config.steps, **op)
+    train_ex = val_ex = None
+    if not (args.bench or args.export_only):
+        train_ex, val_ex = read_data(args, data, config.seed)  # bad data is refused before the target loads
+    mesh = sharding.setup_mesh(args)
+    target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
+    V = target.config.vocab_size
+    pairs = val_pairs = []
+    mask = d["mask_token_id"]
+    if args.export_only and (args.out / "run.json").is_file():
+        mask = json.loads((args.out / "run.json").read_text())["drafter"]["mask_token_id"]  # as trained
+    if train_ex is not None:
+        pairs = encode_examples(train_ex, target.tokenizer, V, str(args.prompts or args.corpus))
+        val_pairs = encode_examples(val_ex, target.tokenizer, V, str(args.val_prompts or args.prompts or args.corpus))
+    given = [t for pair in pairs + val_pairs for t in pair if t is not None]
+    mask = resolve_mask_token(target.tokenizer, V, mask, given, reserved=target.eos_ids)
+    dcfg = make_drafter_config(
+        target.config, num_layers=d["num_layers"], block_size=d["block_size"],
+        target_layer_ids=d["target_layer_ids"], num_taps=d["num_taps"], mask_token_id=mask,
+        intermediate_size=d["intermediate_size"],
+    )
     drafter = Drafter(dcfg, nnx.Rngs(config.seed))
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.split(drafter)[1])))
     H = dcfg.block_size - 1
@@ -879,26 +952,43 @@ def _main(args) -> int:
         else:
             raise ValueError(f"no checkpoint under {args.out}; train first")
         ckpt.close()
-        out = export(args.out / "export", graphdef, final)
-        print(f"exported the {info} params to {out}")
+        out = _export(args.out, graphdef, final)
+        print(f"exported the {info} params to {out}", flush=True)
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
-    cache = args.out / "data"
-    gen = dict(batch_size=data["gen_batch_size"], temperature=data["temperature"], cache_dir=cache)
-    train_seqs = generate_sequences(
-        target, corpus_prompts(target, "train", data["num_sequences"], config.seed, data["max_prompt_tokens"]), data["gen_tokens"],
-        greedy_fraction=data["greedy_fraction"], seed=config.seed, name="train", **gen)
-    val_seqs = generate_sequences(
-        target, corpus_prompts(target, data["val_split"], data["val_sequences"], config.seed + 1,
-                               data["max_prompt_tokens"]),
-        data["gen_tokens"], greedy_fraction=1.0, seed=config.seed + 1, name=data["val_split"], **gen)
+    write_prompt_digests(args.out, [p for p, _ in pairs + val_pairs])
+    # Rows are as wide as the longest prompt + gen_tokens, so a few long prompts would pad every row: keep
+    # their last max_prompt_tokens (the default set's prompts: 25 tokens on average, 69 at the 99th percentile).
+    cut = data["max_prompt_tokens"]
+    if pairs[0][1] is not None:  # responses given: no generation
+        train_seqs = sequences_from_pairs(pairs, data["gen_tokens"], cut)
+        val_seqs = sequences_from_pairs(val_pairs, data["gen_tokens"], cut) if val_pairs else None
+    else:
+        gen = dict(batch_size=data["gen_batch_size"], temperature=data["temperature"], cache_dir=args.out / "data")
+        train_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in pairs], data["gen_tokens"],
+                                        greedy_fraction=data["greedy_fraction"], seed=config.seed, name="train", **gen)
+        val_name = data["val_split"] if args.corpus else "validation"
+        val_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in val_pairs], data["gen_tokens"],
+                                      greedy_fraction=1.0, seed=config.seed + 1, name=val_name,
+                                      **gen) if val_pairs else None
+        cont = np.arange(train_seqs.seq_len)[None] >= train_seqs.prompt_lens[:, None]
+        hits = int(np.sum((train_seqs.tokens == mask) & cont & (np.arange(train_seqs.seq_len)[None]
+                                                                < train_seqs.lengths[:, None])))
+        if hits:
+            print(f"warning: the target generated the mask token {mask} {hits} times in its continuations; it "
+                  f"is then both a label and the mask (pass --mask-token-id with a token the target never emits)",
+                  file=sys.stderr, flush=True)
     cont = train_seqs.lengths - train_seqs.prompt_lens
     print(f"train: {len(train_seqs)} sequences of width {train_seqs.seq_len}, continuation mean {cont.mean():.0f} "
-          f"tokens ({(cont < data['gen_tokens']).mean():.0%} stopped at EOS); "
+          f"tokens ({(cont < data['gen_tokens']).mean():.0%} stopped at EOS); validation: "
+          f"{len(val_seqs) if val_seqs is not None else 0} sequences; "
           f"{config.steps * config.batch_size / len(train_seqs):.1f} passes over the sequences", flush=True)
     (args.out / "run.json").write_text(json.dumps({
         "target": str(args.target), "drafter": dataclasses.asdict(dcfg), "settings": s,
+        "data": {"prompts": str(args.prompts) if args.prompts else None,
+                 "val_prompts": str(args.val_prompts) if args.val_prompts else None,
+                 "corpus": str(args.corpus) if args.corpus else None},
         "optim": dataclasses.asdict(optim), "params": n_params,
     }, indent=2, default=str))
 
@@ -906,7 +996,7 @@ def _main(args) -> int:
     result = distill(target, drafter, train_seqs, val_seqs, args.out, config, optim, resume=args.resume, mesh=mesh,
                      meta={"preset": args.preset})
     final = result.best_params if result.best_params is not None else result.state.params
-    out = export(args.out / "export", graphdef, final)
+    out = _export(args.out, graphdef, final)
     which = f"best validation (step {result.best_step})" if result.best_params is not None else "final"
     print(f"exported the {which} drafter to {out}", flush=True)
     return 0

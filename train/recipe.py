@@ -73,7 +73,7 @@ def run_stage(name: str, args) -> None:
         if not _done(drafter_dir / "config.json", name):
             from train import distill
             _check(distill.main(["--target", str(target_dir), "--out", str(work / "drafter_train"),
-                                 "--preset", preset, "--resume"]), name)
+                                 "--preset", preset, "--corpus", str(corpus.stdlib_root()), "--resume"]), name)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
             from train import distill, traces

@@ -8,7 +8,7 @@
 tensor-parallel over "model" (heads, MLP, vocab); default one device,
 'auto' = all devices on the data axis. Checkpoints resume on any mesh shape.
 
-A preset is `configs/target_<name>.json` (or a path to such a file) holding
+A preset is `train/presets/target_<name>.json` (shipped in the package; or a path to such a file) holding
 `model` (ModelConfig fields; vocab_size comes from the tokenizer), `optim`
 (OptimConfig fields) and `train` (batch_size, seq_len, steps, eval_every, ...).
 Command-line flags override the preset.
@@ -48,10 +48,9 @@ from taps_jax.checkpoints.tokenizer import Tokenizer
 from taps_jax.config import ModelConfig
 from taps_jax.models.transformer import Transformer
 from train import loop
+from train.preset import read_preset
 from train import tokenizer as tokenizer_lib
 from train.packing import PackedBatches, eval_batches, load_tokens
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 TRAIN_DEFAULTS = dict(
     batch_size=16, seq_len=512, steps=1000, seed=0, eval_every=250, eval_batches=16,
@@ -60,13 +59,8 @@ TRAIN_DEFAULTS = dict(
 
 
 def load_preset(name_or_path: str) -> dict:
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"target_{name_or_path}.json"
-    if not path.is_file():
-        known = sorted(p.stem.removeprefix("target_") for p in CONFIG_DIR.glob("target_*.json"))
-        raise ValueError(f"no preset {name_or_path!r} ({path} does not exist); known presets: {', '.join(known)}")
-    raw = json.loads(path.read_text())
+    """train/presets/target_<name>.json (or a path to such a file)."""
+    path, raw = read_preset("target", name_or_path)
     unknown = set(raw) - {"model", "optim", "train", "comment"}
     if unknown:
         raise ValueError(f"{path}: unknown sections {sorted(unknown)}; use model, optim, train")

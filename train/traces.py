@@ -44,6 +44,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from train import data
+
 from decode.common import check_output_path
 from taps_jax.api import Target, load_target
 from taps_jax.engine.ar import DecodeConfig
@@ -427,20 +429,29 @@ def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceCo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Collect TAPS scorer traces: target labels on large draft pools.")
+    p = argparse.ArgumentParser(prog="python -m train.traces",
+                                description="Collect TAPS scorer traces: target labels on large draft pools.")
     p.add_argument("--target", type=Path, required=True, help="target checkpoint dir (Hugging Face layout)")
     p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter checkpoint dir")
-    p.add_argument("--prompts", type=Path, required=True, help='JSONL: {"prompt": "..."} or {"ids": [...]} per line')
+    p.add_argument("--prompts", type=Path,
+                   help='JSONL: {"prompt": "..."} or {"ids": [...]} per line; must not hold the prompts the drafter '
+                        'was distilled on (checked against DRAFTER/distill_prompts.json and --distill-prompts)')
+    p.add_argument("--corpus", type=Path,
+                   help="instead of --prompts: function-signature prompts of the train split of this tree of .py "
+                        "files, skipping the drafter's distillation prompts")
+    p.add_argument("--num-prompts", type=int, default=256, help="--corpus: how many prompts")
+    p.add_argument("--distill-prompts", type=Path, action="append", default=[],
+                   help="a prompts file the drafter was distilled on (repeatable); an overlap is refused")
     p.add_argument("--out", type=Path, required=True, help="output dir (shards + meta.json); resumes if it exists")
     p.add_argument("--pool-width", type=int, default=32, help="beam width W of the large pool (N = H * W nodes)")
     p.add_argument("--pool-k", type=int, default=32, help="lattice width K of the large pool")
     p.add_argument("--policy", choices=("ddtree", "chain"), default="ddtree", help="policy that advances decoding")
     p.add_argument("--budget", type=int, default=32, help="that policy's verification budget")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--shard-rows", type=int, default=4096)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt")
+    p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts keep their last tokens")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--shard-rows", type=int, default=4096, help="trace rows per shard file")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     p.add_argument("--no-eos", action="store_true", help="do not stop sequences at EOS")
     args = p.parse_args(argv)
     try:
@@ -450,11 +461,33 @@ def main(argv: list[str] | None = None) -> int:
 
         config = TraceConfig(args.pool_width, args.pool_k, args.policy, args.budget, args.max_new_tokens,
                              args.max_prompt_len)
-        prompts = [r.prompt for r in read_prompt_file(args.prompts)]
+        if (args.prompts is None) == (args.corpus is None):
+            raise ValueError("give the trace prompts with --prompts FILE.jsonl or --corpus DIR (one of them)")
+        if args.corpus is not None and not args.corpus.is_dir():
+            raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
+        prompts = [r.prompt for r in read_prompt_file(args.prompts)] if args.prompts else None
+        distill_files = [[e.prompt for e in data.read_examples(f)] for f in args.distill_prompts]
         target = load_target(args.target, args.dtype)
         drafter = load_drafter(args.drafter, args.dtype)
+        vocab = target.config.vocab_size
+        distilled = data.read_prompt_digests(args.drafter)
+        for f, texts in zip(args.distill_prompts, distill_files):
+            distilled |= {data.prompt_digest(data.encode(t, target.tokenizer, vocab, str(f))) for t in texts}
+        if prompts is not None:
+            data.check_disjoint(encode_prompts(prompts, target.tokenizer, vocab), distilled, str(args.prompts))
+            source = str(args.prompts)
+        else:
+            from train.corpus import build_prompts
+
+            texts = [p["prompt"] for p in build_prompts("train", n=None, root=args.corpus)]
+            prompts = [t for t, ids in zip(texts, target.encode(texts))
+                       if data.prompt_digest(ids) not in distilled][: args.num_prompts]
+            if len(prompts) < args.num_prompts:
+                raise ValueError(f"--corpus {args.corpus} has only {len(prompts)} train-split prompts the drafter was "
+                                 f"not distilled on; lower --num-prompts")
+            source = f"{args.corpus} (train split, {len(prompts)} prompts)"
         meta = collect(target, drafter, prompts, args.out, config, batch_size=args.batch_size,
-                       shard_rows=args.shard_rows, stop_at_eos=not args.no_eos, source=str(args.prompts))
+                       shard_rows=args.shard_rows, stop_at_eos=not args.no_eos, source=source)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
