@@ -175,3 +175,16 @@ def test_hash_split_is_stable():
     assert 20 < len(val) < 60 and len(train) + len(val) == 400
     _, val2 = data_lib.hash_split(examples[::-1][:300], 0.1)  # reordered, fewer lines: same decision per line
     assert {e.key for e in val2} == {e.key for e in val if e in examples[100:]}
+
+
+def test_target_pretrains_on_a_prompts_file(hf_target, tmp_path, capsys):
+    docs = write_prompts(tmp_path / "docs.jsonl", 120, seed=7, response=True)
+    out = tmp_path / "t"
+    assert target_mod.main(["--out", str(out), "--preset", "tiny", "--tokenizer", str(hf_target / "tokenizer.json"),
+                            "--prompts", str(docs), "--val-fraction", "0.25", "--steps", "2", "--seq-len", "32",
+                            "--eval-every", "2"]) == 0
+    model = load_target(out / "export")
+    assert model.config.vocab_size == 62 and model.tokenizer.token_to_id("<|mask|>") == MASK_ID
+    rc = target_mod.main(["--out", str(tmp_path / "t2"), "--preset", "tiny", "--tokenizer", str(hf_target),
+                          "--prompts", str(docs), "--corpus", str(tmp_path)])
+    assert rc == 2 and "not both" in capsys.readouterr().err

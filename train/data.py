@@ -96,6 +96,25 @@ def hash_split(examples: Sequence[Example], val_fraction: float) -> tuple[list[E
     return [e for e in examples if e.key not in keys], val
 
 
+def read_split(prompts: Path, val_prompts: Path | None, val_fraction: float) -> tuple[list[Example], list[Example]]:
+    """(train, validation) from --prompts and --val-prompts (else a hash split of --prompts); no overlap allowed."""
+    examples = read_examples(prompts)
+    if val_prompts is not None:
+        train, val = examples, read_examples(val_prompts)
+        both = {e.key for e in train} & {e.key for e in val}
+        if both:
+            raise ValueError(f"{len(both)} lines of --val-prompts {val_prompts} are also in --prompts {prompts}; "
+                             f"validation must be held out, so remove them from one file")
+        if len({e.has_response for e in train + val}) > 1:
+            raise ValueError("--prompts and --val-prompts must both have responses or both have none")
+        return train, val
+    train, val = hash_split(examples, val_fraction)
+    if not train:
+        raise ValueError(f"{prompts}: every line fell in the held-out split; lower --val-fraction or give "
+                         f"--val-prompts")
+    return train, val
+
+
 def encode(text_or_ids, tokenizer, vocab_size: int, where: str) -> list[int]:
     if isinstance(text_or_ids, str):
         if tokenizer is None:

@@ -100,8 +100,8 @@ from taps_jax.models.drafter import Drafter
 from taps_jax.models.transformer import Transformer
 from train import loop
 from train.preset import known_presets, read_preset
-from train.data import (PROMPT_DIGESTS, Example, encode_examples, hash_split, read_examples,
-                        resolve_mask_token, write_prompt_digests)
+from train.data import (PROMPT_DIGESTS, Example, encode_examples, read_split, resolve_mask_token,
+                        write_prompt_digests)
 from train.tokenizer import MASK_ID, PAD_ID
 
 ANCHOR_REGIONS = ("continuation", "all")
@@ -858,21 +858,7 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
     if args.val_prompts is not None and args.prompts is None:
         raise ValueError("--val-prompts goes with --prompts (--corpus takes its validation prompts from its own split)")
     if args.prompts is not None:
-        examples = read_examples(args.prompts)
-        if args.val_prompts is not None:
-            train, val = examples, read_examples(args.val_prompts)
-            both = {e.key for e in train} & {e.key for e in val}
-            if both:
-                raise ValueError(f"{len(both)} lines of --val-prompts {args.val_prompts} are also in --prompts "
-                                 f"{args.prompts}; validation must be held out, so remove them from one file")
-        else:
-            train, val = hash_split(examples, data["val_fraction"])
-            if not train:
-                raise ValueError(f"{args.prompts}: every line fell in the held-out split; lower --val-fraction or "
-                                 f"give --val-prompts")
-        if len({e.has_response for e in train + val}) > 1:
-            raise ValueError("--prompts and --val-prompts must both have responses or both have none")
-        return train, val
+        return read_split(args.prompts, args.val_prompts, data["val_fraction"])
     if not args.corpus.is_dir():
         raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
     from train.corpus import build_prompts

@@ -47,8 +47,9 @@ from taps_jax.api import Target
 from taps_jax.checkpoints.tokenizer import Tokenizer
 from taps_jax.config import ModelConfig
 from taps_jax.models.transformer import Transformer
-from train import loop
-from train.preset import read_preset
+from train import corpus, loop
+from train import data as data_lib
+from train.preset import known_presets, read_preset
 from train import tokenizer as tokenizer_lib
 from train.packing import PackedBatches, eval_batches, load_tokens
 
@@ -112,19 +113,35 @@ def export(out: Path, model: Transformer, tokenizer_path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Pretrain the default target model.")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--preset", default="default")
-    p.add_argument("--tokenizer", type=Path, default=Path("runs/default/tokenizer"))
-    p.add_argument("--tokens", type=Path, default=Path("runs/default/tokens"), help="token cache dir")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup-steps", type=int)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--checkpoint-every-s", type=float)
-    p.add_argument("--seed", type=int)
+    p = argparse.ArgumentParser(
+        prog="python -m train.target",
+        description="Pretrain a Qwen3 target from scratch (the embedded default's stage). Data: --corpus DIR "
+                    "(default: this interpreter's standard library, as the embedded recipe uses) or --prompts "
+                    "FILE.jsonl (each line's prompt + response is one document). The model lands in OUT/export.")
+    p.add_argument("--out", type=Path, required=True,
+                   help="training dir (checkpoints, metrics); the model is exported to OUT/export (HF layout)")
+    p.add_argument("--preset", default="default",
+                   help=f"target preset: one of {', '.join(known_presets('target'))} (train/presets/target_NAME.json, "
+                        f"shipped with the package; 'tiny' trains in seconds) or a JSON file path")
+    p.add_argument("--tokenizer", type=Path, default=Path("runs/default/tokenizer"),
+                   help="tokenizer.json or its directory (its vocabulary sizes the model)")
+    p.add_argument("--tokens", type=Path, default=Path("runs/default/tokens"),
+                   help="token cache dir of --corpus (a cache per split, tokenizer and file list)")
+    p.add_argument("--corpus", type=Path, help="pretrain on the .py files under DIR (split by file path hash)")
+    p.add_argument("--prompts", type=Path,
+                   help='pretrain on a JSONL file instead: {"prompt": ...} lines, optionally with "response" '
+                        '(ids lines: "ids" / "response_ids"); each line is one document followed by EOS')
+    p.add_argument("--val-prompts", type=Path,
+                   help="validation documents in the same format (default: --val-fraction of --prompts by line hash)")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of --prompts lines")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, help="windows per step")
+    p.add_argument("--seq-len", type=int, help="tokens per window")
+    p.add_argument("--lr", type=float, help="peak learning rate (AdamW, warmup + cosine)")
+    p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    p.add_argument("--eval-every", type=int, help="validate every N steps")
+    p.add_argument("--checkpoint-every-s", type=float, help="seconds between checkpoints")
+    p.add_argument("--seed", type=int, help="initialisation and data-order seed")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true",
                    help="skip training: export the best (else latest) checkpoint under --out to --out/export")
@@ -139,10 +156,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def document_stream(examples, tokenizer, vocab: int, eos_id: int, source: str) -> np.ndarray:
+    """Every example's prompt + response tokens followed by EOS, as one stream. int32 [n_tokens]"""
+    parts = []
+    for ids, response in data_lib.encode_examples(examples, tokenizer, vocab, source):
+        parts += [ids, response or [], [eos_id]]
+    return np.concatenate([np.asarray(p, np.int32) for p in parts])
+
+
+def read_documents(args, tokenizer_file: Path, vocab: int):
+    """(train, validation) token streams from --prompts, or None for the corpus; refusals first."""
+    if args.prompts is None:
+        if args.val_prompts is not None:
+            raise ValueError("--val-prompts goes with --prompts")
+        if args.corpus is not None and not args.corpus.is_dir():
+            raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
+        return None
+    if args.corpus is not None:
+        raise ValueError("give --prompts or --corpus, not both")
+    train, val = data_lib.read_split(args.prompts, args.val_prompts, args.val_fraction)
+    if not val:
+        raise ValueError(f"{args.prompts}: no line fell in the validation split; raise --val-fraction or give "
+                         f"--val-prompts")
+    tok = Tokenizer.from_file(tokenizer_file)
+    return (document_stream(train, tok, vocab, tokenizer_lib.EOS_ID, str(args.prompts)),
+            document_stream(val, tok, vocab, tokenizer_lib.EOS_ID, str(args.val_prompts or args.prompts)))
+
+
 def _main(args) -> int:
     mesh = sharding.setup_mesh(args)
     tokenizer_file = args.tokenizer / tokenizer_lib.TOKENIZER_FILE if args.tokenizer.is_dir() else args.tokenizer
     vocab = tokenizer_lib.load_tokenizer(tokenizer_file).get_vocab_size()
+    documents = read_documents(args, tokenizer_file, vocab)
     preset = load_preset(args.preset)
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                  "lr": args.lr, "warmup_steps": args.warmup_steps, "eval_every": args.eval_every,
@@ -165,7 +210,12 @@ def _main(args) -> int:
     train_step = loop.make_train_step(loss_fn, optimizer, mesh)
     state = loop.shard_state(loop.TrainState.create(params, optimizer), mesh)
     params = state.params
-    train_tokens = load_tokens("train", tokenizer_file, args.tokens)
+    if documents is not None:
+        train_tokens, val_tokens = documents
+    else:
+        with corpus.root_override(args.corpus):
+            train_tokens = load_tokens("train", tokenizer_file, args.tokens)
+            val_tokens = load_tokens("validation", tokenizer_file, args.tokens)
     batches = PackedBatches(train_tokens, B, T, seed=tr["seed"])
 
     if args.export_only:
@@ -199,7 +249,6 @@ def _main(args) -> int:
               f"{args.bench * B * T / cpu:,.0f} tok per CPU-s  loss {float(m['loss']):.3f}")
         return 0
 
-    val_tokens = load_tokens("validation", tokenizer_file, args.tokens)
     val = eval_batches(val_tokens, B, T, max_batches=tr["eval_batches"])
     # Host arrays on a mesh (split over "data" by make_eval_fn), device arrays on one device.
     evaluate = loop.make_eval_fn(loss_fn, [np.asarray(b) if mesh else jnp.asarray(b) for b in val], mesh)
