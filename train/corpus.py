@@ -262,7 +262,7 @@ def write_prompts_jsonl(path: str | Path, prompts: list[dict]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m train.corpus", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=Path, help="write a heldout prompt set here (.jsonl)")
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

@@ -7,8 +7,8 @@ own checkpoints when interrupted (rerun the same command):
 
   tokenizer  byte-level BPE on the stdlib train split      -> WORK/tokenizer/
   data       token caches + held-out prompt set            -> WORK/tokens/, WORK/prompts_heldout.jsonl
-  target     Qwen3 pretraining (configs/target_<preset>)   -> WORK/target_train/export/
-  drafter    DFlash distillation (configs/drafter_<preset>) -> WORK/drafter_train/export/
+  target     Qwen3 pretraining (presets/target_<preset>)   -> WORK/target_train/export/
+  drafter    DFlash distillation (presets/drafter_<preset>) -> WORK/drafter_train/export/
   traces     TAPS traces on train-split prompts that the    -> WORK/prompts_traces.jsonl, WORK/traces/
              drafter was NOT distilled on
   scorer     TAPS scorers: temperature-1 and greedy labels -> WORK/scorer_train/, WORK/scorer_greedy_train/
@@ -47,6 +47,44 @@ def _check(code: int, name: str) -> None:
         raise SystemExit(f"[recipe] stage {name} failed with exit status {code}; fix it and rerun to resume")
 
 
+def stage_commands(name: str, args) -> list[tuple[str, list[str]]]:
+    """The training commands a stage runs: [(module under train/, argv)] (dry run prints them)."""
+    work, preset = args.work, args.preset
+    target_dir, drafter_dir = work / "target_train" / "export", work / "drafter_train" / "export"
+    if name == "target":
+        return [("target", ["--out", str(work / "target_train"), "--preset", preset, "--tokenizer",
+                            str(work / "tokenizer"), "--tokens", str(work / "tokens"), "--resume"])]
+    if name == "drafter":
+        return [("distill", ["--target", str(target_dir), "--out", str(work / "drafter_train"),
+                             "--preset", preset, "--corpus", str(corpus.stdlib_root()), "--resume"])]
+    if name == "traces":
+        return [("traces", ["--target", str(target_dir), "--drafter", str(drafter_dir),
+                            "--prompts", str(work / "prompts_traces.jsonl"), "--out", str(work / "traces"),
+                            "--max-new-tokens", str(args.trace_tokens)])]
+    if name == "scorer":
+        steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
+        return [("scorer", ["--traces", str(work / "traces"), "--target", str(target_dir), "--out", str(work / out),
+                            "--labels", labels, *SCORER_FLAGS, "--resume", *steps]) for out, labels in SCORERS]
+    return []
+
+
+def dry_run(name: str, args) -> None:
+    """Print what a stage would run, with the resolved preset of the target and drafter stages."""
+    import importlib
+
+    commands = stage_commands(name, args)
+    if not commands:
+        print(f"[recipe] {name}: (no training command; see the module docstring)")
+    for module, argv in commands:
+        print(f"[recipe] {name}: python -m train.{module} {' '.join(argv)}")
+        if module == "distill":
+            settings = importlib.import_module("train.distill")._settings(
+                importlib.import_module("train.distill").parse_args(argv))
+            print(json.dumps(settings, indent=1, default=str))
+        elif module == "target":
+            print(json.dumps(importlib.import_module("train.target").load_preset(args.preset), indent=1))
+
+
 def run_stage(name: str, args) -> None:
     work, preset = args.work, args.preset
     tok_dir, tokens = work / "tokenizer", work / "tokens"
@@ -64,16 +102,15 @@ def run_stage(name: str, args) -> None:
     elif name == "target":
         if not _done(target_dir / "config.json", name):
             from train import target
-            out = work / "target_train"
-            base = ["--out", str(out), "--preset", preset, "--tokenizer", str(tok_dir), "--tokens", str(tokens)]
-            _check(target.main(base + ["--resume"]), name)
+            (_, argv), = stage_commands(name, args)
+            _check(target.main(argv), name)
             if not (target_dir / "config.json").exists():
-                _check(target.main(base + ["--export-only"]), name)
+                _check(target.main([a for a in argv if a != "--resume"] + ["--export-only"]), name)
     elif name == "drafter":
         if not _done(drafter_dir / "config.json", name):
             from train import distill
-            _check(distill.main(["--target", str(target_dir), "--out", str(work / "drafter_train"),
-                                 "--preset", preset, "--corpus", str(corpus.stdlib_root()), "--resume"]), name)
+            (_, argv), = stage_commands(name, args)
+            _check(distill.main(argv), name)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
             from train import distill, traces
@@ -83,18 +120,14 @@ def run_stage(name: str, args) -> None:
                 # memorised, not as it drafts on new code: the scorer must learn the latter.
                 corpus.write_prompts_jsonl(prompts, corpus.build_prompts(
                     "train", n=args.trace_prompts, exclude=distill.distillation_prompt_texts(preset)))
-            _check(traces.main(["--target", str(target_dir), "--drafter", str(drafter_dir),
-                                "--prompts", str(prompts), "--out", str(work / "traces"),
-                                "--max-new-tokens", str(args.trace_tokens)]), name)
+            (_, argv), = stage_commands(name, args)
+            _check(traces.main(argv), name)
             (work / "traces" / "DONE").write_text("complete\n")
     elif name == "scorer":
-        for out, labels in SCORERS:
+        for (_, argv), (out, labels) in zip(stage_commands(name, args), SCORERS):
             if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
                 from train import scorer
-                steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
-                _check(scorer.main(["--traces", str(work / "traces"), "--target", str(target_dir),
-                                    "--out", str(work / out), "--labels", labels, *SCORER_FLAGS, "--resume",
-                                    *steps]), name)
+                _check(scorer.main(argv), name)
     elif name == "assemble":
         scorers = {out.removesuffix("_train"): work / out / "scorer" for out, _ in SCORERS}
         assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl")
@@ -189,7 +222,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.recipe", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=Path("runs/default"), help="working dir for all stages")
     p.add_argument("--assets", type=Path, default=Path("taps_jax/assets/default"), help="where the set is assembled")
-    p.add_argument("--preset", default="default", help="configs/{target,drafter}_<preset>.json")
+    p.add_argument("--preset", default="default", help="train/presets/{target,drafter}_<preset>.json")
     p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
     p.add_argument("--corpus", type=Path, default=None,
                    help="train on the .py files under this directory instead of the standard library")
@@ -202,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--report-prompts", type=int, default=32, help="held-out prompts in the report benchmark")
     p.add_argument("--report-budgets", default="16,32,64", help="tree budgets in the report benchmark")
     p.add_argument("--report-tokens", type=int, default=128, help="new tokens per prompt in the report benchmark")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each stage's training command and resolved preset, run nothing")
     args = p.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
@@ -211,6 +246,12 @@ def main(argv=None) -> int:
     if args.corpus is not None and not args.corpus.is_dir():
         print(f"{p.prog}: error: --corpus {args.corpus} is not a directory; give a tree of .py files", file=sys.stderr)
         return 2
+    if args.dry_run:
+        with corpus.root_override(args.corpus):
+            for name in STAGES:
+                if name in stages:
+                    dry_run(name, args)
+        return 0
     from decode.common import check_output_path
 
     try:

@@ -28,14 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from tqdm import tqdm
 
 from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
-from taps_jax.checkpoints.scorer import ScorerModel, save_scorer
-from taps_jax.checkpoints.tensors import safetensor_files
+from taps_jax.checkpoints.scorer import EMBED_NAME, ScorerModel, save_scorer
+from taps_jax.checkpoints.tensors import read_tensor
 from taps_jax.config import ModelConfig
 from taps_jax.tree.pool import Pool
 from taps_jax.tree.scorer import Scorer, ScorerConfig, ScorerInputs, scorer_log_qcond
@@ -43,7 +42,6 @@ from taps_jax.tree.select import reach
 from train import loop
 from train.traces import check_traces_for_embedding, load_traces
 
-EMBED_NAME = "model.embed_tokens.weight"
 LABELS = ("sampled", "greedy")
 VAL_TAU_BUDGET = 64
 
@@ -95,14 +93,10 @@ def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
     """The target's config and its [V, D] token embedding table (float32), nothing else."""
     path = check_dir(path)
     config = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
-    for file in safetensor_files(path):
-        with safe_open(str(file), framework="flax") as f:
-            if EMBED_NAME in f.keys():
-                with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                    table = np.asarray(f.get_tensor(EMBED_NAME), np.float32)
-                break
-    else:
+    table = read_tensor(path, EMBED_NAME)  # the shared reader: this one tensor only
+    if table is None:
         raise ValueError(f"{path}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
+    table = np.asarray(table, np.float32)
     if table.shape != (config.vocab_size, config.hidden_size):
         raise ValueError(f"{path}: {EMBED_NAME} has shape {table.shape}, the config expects "
                          f"{(config.vocab_size, config.hidden_size)}")
@@ -379,21 +373,21 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
 
 def main(argv: list[str] | None = None) -> int:
     d = ScorerTrainConfig()
-    p = argparse.ArgumentParser(description="Train the TAPS scorer on traces from `python -m train.traces`.")
+    p = argparse.ArgumentParser(prog="python -m train.scorer", description="Train the TAPS scorer on traces from `python -m train.traces`.")
     p.add_argument("--traces", type=Path, required=True, help="trace dir (meta.json + shards)")
     p.add_argument("--target", type=Path, required=True, help="the target checkpoint the traces were collected with")
     p.add_argument("--out", type=Path, required=True, help="training dir; the scorer is exported to OUT/scorer")
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="trace rows per step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW, cosine)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 2%% of --steps)")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="fraction of PROMPTS held out")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--mlp-dim", type=int, default=d.mlp_dim)
-    p.add_argument("--token-dim", type=int, default=d.token_dim)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: only at the end)")
+    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s, help="seconds between checkpoints")
+    p.add_argument("--seed", type=int, default=d.seed, help="initialisation, split and data-order seed")
+    p.add_argument("--mlp-dim", type=int, default=d.mlp_dim, help="width of the scorer's MLP heads")
+    p.add_argument("--token-dim", type=int, default=d.token_dim, help="width of the token-embedding projection")
     p.add_argument("--labels", choices=LABELS, default=d.labels,
                    help="what q_cond estimates: 'sampled' = the target's temperature-1 probability of each "
                         "child (for sampled decoding), 'greedy' = whether it is the target's argmax (for "

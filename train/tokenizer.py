@@ -129,7 +129,7 @@ def bytes_per_token(tok: Tokenizer, texts: Iterable[str], batch: int = 64) -> tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the byte-level BPE tokenizer on the stdlib train split.")
+    parser = argparse.ArgumentParser(prog="python -m train.tokenizer", description="Train the byte-level BPE tokenizer on the stdlib train split.")
     parser.add_argument("--out", type=Path, required=True, help="directory for tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--max-bytes", type=int, default=None)
