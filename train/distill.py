@@ -99,6 +99,7 @@ from taps_jax.engine.batching import bucket
 from taps_jax.models.drafter import Drafter
 from taps_jax.models.transformer import Transformer
 from train import loop
+from train.config import add_flags, build, option
 from train.preset import known_presets, read_preset
 from train.data import (PROMPT_DIGESTS, Example, encode_examples, read_split, resolve_mask_token,
                         write_prompt_digests)
@@ -175,18 +176,19 @@ def make_drafter_config(
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Objective and loop settings (the optimizer is a `loop.OptimConfig`)."""
+    """Objective and loop settings: the preset's "train" section (the optimizer is `DistillOptim`)."""
 
-    steps: int = 2000
-    batch_size: int = 8  # sequences per step
-    anchors_per_seq: int = 16  # blocks per sequence, all in one forward
-    gamma: float | None = None  # None: default_gamma(block_size)
-    anchor_region: str = "continuation"
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 250  # 0: only at the end
-    checkpoint_every_s: float = 600.0
-    keep: int = 3
+    steps: int = option(2000, "optimizer steps")
+    batch_size: int = option(8, "sequences per step")
+    anchors_per_seq: int = option(16, "draft blocks per sequence per step, all in one forward")
+    gamma: float | None = option(None, "loss-weight decay (default: 7 * (Kb - 1) / 15)")
+    anchor_region: str = option("continuation", "where blocks may start: in the target's continuation "
+                                "(labels are target tokens) or anywhere", choices=ANCHOR_REGIONS)
+    seed: int = option(0, "initialisation, data order and sampling seed")
+    log_every: int = option(10, "log every N steps")
+    eval_every: int = option(250, "validate every N steps (0: only at the end)")
+    checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
+    keep: int = option(3, "checkpoints kept")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq"):
@@ -201,6 +203,64 @@ def distill_optim(steps: int, lr: float = 6e-4, warmup_ratio: float = 0.04, **kw
     """The reported recipe: AdamW lr 6e-4, warmup 4% of the steps, cosine decay, clip 1.0."""
     kwargs = {"weight_decay": 0.01, "min_lr_ratio": 0.05, "clip_norm": 1.0, **kwargs}
     return loop.OptimConfig(lr=lr, warmup_steps=max(1, round(warmup_ratio * steps)), total_steps=steps, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """The drafter's shape: the preset's "drafter" section (width, heads and rope follow the target)."""
+
+    num_layers: int = option(1, "drafter layers", flag="--layers")
+    block_size: int = option(16, "Kb (H = Kb - 1 drafted positions)")
+    num_taps: int = option(3, "how many target layers to tap when --taps is not given")
+    target_layer_ids: tuple[int, ...] | None = option(
+        None, "target layer ids to tap, e.g. 1,3,5 (default: --num-taps spread over [1, L-1])", flag="--taps")
+    mask_token_id: int | None = option(
+        None, "the drafter's mask token: an id of the target's vocabulary that never occurs in the data "
+              "(default: the tokenizer's mask special token, e.g. <|mask|>; refused if it has none)")
+    intermediate_size: int | None = option(None, "drafter MLP width (default: the target's)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """How the training sequences are made: the preset's "data" section."""
+
+    num_sequences: int = option(4096, "--corpus: train-split prompts to continue")
+    gen_tokens: int = option(256, "tokens generated per prompt (given responses are cut to this length)")
+    greedy_fraction: float = option(0.5, "share of greedy continuations (the rest sampled)")
+    temperature: float = option(0.9, "temperature of the sampled continuations")
+    gen_batch_size: int = option(64, "prompts per generation batch")
+    val_sequences: int = option(128, "--corpus: validation prompts to continue")
+    val_split: str = option("validation", "--corpus: split of the validation prompts",
+                            choices=("validation", "heldout"))
+    max_prompt_tokens: int | None = option(64, "keep the last N tokens of longer prompts")
+    val_fraction: float = option(0.05, "--prompts without --val-prompts: held-out share of the lines "
+                                       "(a stable hash of each line)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillOptim:
+    """The optimizer: the preset's "optim" section (AdamW, warmup, cosine decay, clipping)."""
+
+    lr: float = option(6e-4, "peak learning rate")
+    warmup_ratio: float = option(0.04, "warmup as a share of the steps")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    min_lr_ratio: float = option(0.05, "final learning rate / peak")
+    clip_norm: float = option(1.0, "global gradient-norm clip")
+    b1: float = option(0.9, "Adam beta1")
+    b2: float = option(0.95, "Adam beta2")
+
+    def optim(self, steps: int) -> loop.OptimConfig:
+        return distill_optim(steps, **dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSettings:
+    """Everything a distillation run is configured with: a preset file's sections, overridden by flags."""
+
+    drafter: DrafterSpec = DrafterSpec()
+    data: DataSpec = DataSpec()
+    optim: DistillOptim = DistillOptim()
+    train: DistillConfig = DistillConfig()
 
 
 # --------------------------------------------------------------------------- data: target generations
@@ -342,7 +402,7 @@ def distillation_prompt_texts(preset: str) -> set[str]:
     from train.corpus import build_prompts
 
     s = load_preset(preset)
-    return {p["prompt"] for p in build_prompts("train", n=s["data"]["num_sequences"], seed=s["train"]["seed"])}
+    return {p["prompt"] for p in build_prompts("train", n=s.data.num_sequences, seed=s.train.seed)}
 
 
 def anchor_range(prompt_len: int, length: int, block_size: int, region: str) -> tuple[int, int]:
@@ -493,7 +553,7 @@ def labels_and_weights(tokens_BS, anchors_BA, anchor_valid_BA, lengths_B, weight
 def make_forward(drafter_graphdef, target_graphdef, weights_H: np.ndarray):
     """(drafter params, batch) -> (logits [B,A,H,V], labels [B,A,H], weights [B,A,H], valid [B,A,H]).
 
-    batch holds the frozen target params under "target" (an argument, not a
+    batch holds the frozen target params under "target" (`loop.run(frozen=...)`: an argument, not a
     closure constant, so they are not baked into the compiled program).
     """
     weights_H = jnp.asarray(weights_H)
@@ -528,11 +588,10 @@ def make_loss_fn(forward):
 
 
 def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | None, H: int,
-                   start_step: int = 0, step_of=lambda: 0):
-    """params -> weighted val CE; also logs per-position agreement and tau (see module docstring).
+                   start_step: int = 0):
+    """evaluate(params, step) -> `summarize`'s dict: weighted val CE ("loss"), per-position agreement, tau.
 
-    step_of() names the step an evaluation is logged under; `evaluate.last`
-    holds the latest summary (see `summarize`).
+    Rows go to out_dir/val_agreement.csv (those of steps <= start_step kept on resume) and agreement.png.
     """
 
     @jax.jit
@@ -560,12 +619,12 @@ def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | 
             w.writeheader()
             w.writerows(rows)
 
-    def evaluate(params) -> float:
+    def evaluate(params, step: int) -> dict:
         got = jax.device_get([stats(params, {**b, "target": target_params}) for b in batches])
         total = {k: sum(g[k] for g in got) for k in got[0]}
         m = summarize(total)
         if csv_path is not None:
-            row = {"step": step_of(), "loss": f"{m['loss']:.5f}", "acc_mean": f"{m['acc_mean']:.4f}",
+            row = {"step": step, "loss": f"{m['loss']:.5f}", "acc_mean": f"{m['acc_mean']:.4f}",
                    "tau_cumprod": f"{m['tau_cumprod']:.4f}", "tau_chain": f"{m['tau_chain']:.4f}",
                    **{f"acc_{k + 1}": f"{a:.4f}" for k, a in enumerate(m["acc"])}}
             if rows and int(rows[-1]["step"]) >= row["step"]:
@@ -582,10 +641,8 @@ def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | 
         tqdm.write(f"val agreement k=1..{H}: " + " ".join(f"{a:.2f}" for a in m["acc"])
                    + f"  mean {m['acc_mean']:.3f}  tau {m['tau_cumprod']:.2f} (cumprod) "
                    f"{m['tau_chain']:.2f} (chain)")
-        evaluate.last = m
-        return m["loss"]
+        return m
 
-    evaluate.last = None
     return evaluate
 
 
@@ -696,16 +753,11 @@ def distill(
         ck = loop.Checkpointer(out_dir)
         start = ck.latest_step() or 0
         ck.close()
-    current = [start]  # steps done when an evaluation runs (the loop evaluates right after a step)
     evaluate = None
     if val_seqs is not None and len(val_seqs):
         val_batches = AnchorBatches(val_seqs, config.batch_size, config.anchors_per_seq, drafter.config.block_size,
                                     "continuation", config.seed).fixed_batches()
-        evaluate = make_evaluator(run.forward, val_batches, tparams, out_dir, H, start, lambda: current[0])
-
-    def batch_at(step: int) -> dict:
-        current[0] = step + 1
-        return {**run.batches.batch_at(step), "target": tparams}
+        evaluate = make_evaluator(run.forward, val_batches, tparams, out_dir, H, start)
 
     total = config.steps if stop_after is None else min(stop_after, config.steps)
     cfg = loop.LoopConfig(
@@ -713,7 +765,8 @@ def distill(
         log_every=config.log_every, eval_every=config.eval_every,
         checkpoint_every_s=config.checkpoint_every_s, keep=config.keep,
     )
-    return loop.run(cfg, run.state, run.train_step, batch_at, out_dir, evaluate=evaluate, resume=resume,
+    return loop.run(cfg, run.state, run.train_step, run.batches.batch_at, out_dir, evaluate=evaluate, frozen={"target": tparams},
+                    resume=resume,
                     meta=meta or {}, optim=optim, desc="distill", mesh=mesh)
 
 
@@ -726,49 +779,10 @@ def export(out: Path, drafter_graphdef, params) -> Path:
 # --------------------------------------------------------------------------- CLI
 
 
-DEFAULTS = {
-    "drafter": {"num_layers": 1, "block_size": 16, "num_taps": 3, "target_layer_ids": None,
-                "mask_token_id": None, "intermediate_size": None},
-    "data": {"num_sequences": 4096, "gen_tokens": 256, "greedy_fraction": 0.5, "temperature": 0.9,
-             "gen_batch_size": 64, "val_sequences": 128, "val_split": "validation", "max_prompt_tokens": 64,
-             "val_fraction": 0.05},
-    "optim": {"lr": 6e-4, "warmup_ratio": 0.04, "weight_decay": 0.01, "min_lr_ratio": 0.05, "clip_norm": 1.0,
-              "b1": 0.9, "b2": 0.95},
-    "train": {"steps": 2000, "batch_size": 8, "anchors_per_seq": 16, "gamma": None,
-              "anchor_region": "continuation", "seed": 0, "log_every": 10, "eval_every": 250,
-              "checkpoint_every_s": 600.0, "keep": 3},
-}
-
-
-def load_preset(name_or_path: str) -> dict:
-    """train/presets/drafter_<name>.json (or a path) merged over DEFAULTS, section by section."""
+def load_preset(name_or_path: str, args=None) -> DistillSettings:
+    """train/presets/drafter_<name>.json (or a path) over the defaults, then the flags given in `args`."""
     path, raw = read_preset("drafter", name_or_path)
-    unknown = set(raw) - set(DEFAULTS) - {"comment"}
-    if unknown:
-        raise ValueError(f"{path}: unknown sections {sorted(unknown)}; use {', '.join(DEFAULTS)}")
-    out = {}
-    for section, defaults in DEFAULTS.items():
-        bad = set(raw.get(section, {})) - set(defaults)
-        if bad:
-            raise ValueError(f"{path}: unknown {section} fields {sorted(bad)}; known: {', '.join(defaults)}")
-        out[section] = {**defaults, **raw.get(section, {})}
-    return out
-
-
-FLAGS = {  # flag dest -> (section, field)
-    "num_sequences": ("data", "num_sequences"), "gen_tokens": ("data", "gen_tokens"),
-    "greedy_fraction": ("data", "greedy_fraction"), "temperature": ("data", "temperature"),
-    "gen_batch_size": ("data", "gen_batch_size"), "val_sequences": ("data", "val_sequences"),
-    "val_split": ("data", "val_split"), "max_prompt_tokens": ("data", "max_prompt_tokens"),
-    "val_fraction": ("data", "val_fraction"), "mask_token_id": ("drafter", "mask_token_id"),
-    "layers": ("drafter", "num_layers"), "block_size": ("drafter", "block_size"),
-    "taps": ("drafter", "target_layer_ids"),
-    "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
-    "anchors_per_seq": ("train", "anchors_per_seq"), "gamma": ("train", "gamma"),
-    "anchor_region": ("train", "anchor_region"), "eval_every": ("train", "eval_every"),
-    "checkpoint_every_s": ("train", "checkpoint_every_s"), "seed": ("train", "seed"),
-    "lr": ("optim", "lr"),
-}
+    return build(DistillSettings, raw, args, str(path))
 
 
 def parse_args(argv):
@@ -783,8 +797,9 @@ def parse_args(argv):
                    help="training dir (checkpoints, data cache, metrics); the drafter is exported to OUT/export")
     p.add_argument("--preset", default="default",
                    help=f"drafter preset: one of {', '.join(known_presets('drafter'))} (train/presets/drafter_NAME.json, "
-                        f"shipped with the package; 'tiny' is a seconds-long smoke test) or a JSON file path")
-    data = p.add_argument_group("data (give --prompts or --corpus)")
+                        f"shipped with the package; 'tiny' is a seconds-long smoke test) or a JSON file path; a preset "
+                        f"overrides the built-in values below, a flag overrides the preset")
+    data = p.add_argument_group("your data (give --prompts or --corpus)")
     data.add_argument("--prompts", type=Path,
                       help='JSONL, one {"prompt": "..."} or {"ids": [...]} per line (the target continues each), or '
                            '{"prompt": ..., "response": ...} / {"ids": ..., "response_ids": ...} (continuations '
@@ -792,36 +807,10 @@ def parse_args(argv):
     data.add_argument("--val-prompts", type=Path,
                       help="validation prompts in the same format (default: the --val-fraction of --prompts "
                            "lines picked by a stable hash of each line)")
-    data.add_argument("--val-fraction", type=float, help="held-out share of --prompts when no --val-prompts (0.05)")
     data.add_argument("--corpus", type=Path,
                       help="instead of --prompts: a tree of .py files; prompts are function signatures of its "
                            "train split, validation prompts of its validation split (split by file path hash)")
-    data.add_argument("--num-sequences", type=int, help="--corpus: train-split prompts to continue")
-    data.add_argument("--val-sequences", type=int, help="--corpus: validation prompts to continue")
-    data.add_argument("--val-split", choices=("validation", "heldout"), help="--corpus: split of the validation prompts")
-    data.add_argument("--gen-tokens", type=int, help="tokens generated per prompt (responses are cut to this length)")
-    data.add_argument("--greedy-fraction", type=float, help="share of greedy continuations (rest sampled)")
-    data.add_argument("--temperature", type=float, help="temperature of the sampled continuations")
-    data.add_argument("--gen-batch-size", type=int, help="prompts per generation batch")
-    data.add_argument("--max-prompt-tokens", type=int, help="keep the last N tokens of longer prompts")
-    model = p.add_argument_group("drafter")
-    model.add_argument("--mask-token-id", type=int,
-                       help="the drafter's mask token: an id of the target's vocabulary that never occurs in the "
-                            "data (default: the tokenizer's mask special token, e.g. <|mask|>; refused if none)")
-    model.add_argument("--layers", type=int, help="drafter layers")
-    model.add_argument("--block-size", type=int, help="Kb (H = Kb - 1 drafted positions)")
-    model.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
-                       help="target layer ids to tap, e.g. 1,3,5 (default: 3 spread over [1, L-1])")
-    train = p.add_argument_group("training")
-    train.add_argument("--steps", type=int, help="optimizer steps")
-    train.add_argument("--batch-size", type=int, help="sequences per step")
-    train.add_argument("--anchors-per-seq", type=int, help="draft blocks per sequence per step")
-    train.add_argument("--gamma", type=float, help="loss-weight decay (default 7 * (Kb-1) / 15)")
-    train.add_argument("--anchor-region", choices=ANCHOR_REGIONS, help="where blocks may start")
-    train.add_argument("--lr", type=float, help="peak learning rate (AdamW, warmup + cosine)")
-    train.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
-    train.add_argument("--checkpoint-every-s", type=float, help="seconds between checkpoints")
-    train.add_argument("--seed", type=int, help="initialisation, data order and sampling seed")
+    add_flags(p, DistillSettings)  # every preset setting, with its help and default, from the dataclasses
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")
     p.add_argument("--bench", type=int, default=0, metavar="N",
@@ -840,13 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _settings(args) -> dict:
-    s = load_preset(args.preset)
-    for dest, (section, field) in FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            s[section][field] = value
-    return s
+def _settings(args) -> DistillSettings:
+    return load_preset(args.preset, args)
 
 
 def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]]:
@@ -858,7 +842,7 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
     if args.val_prompts is not None and args.prompts is None:
         raise ValueError("--val-prompts goes with --prompts (--corpus takes its validation prompts from its own split)")
     if args.prompts is not None:
-        return read_split(args.prompts, args.val_prompts, data["val_fraction"])
+        return read_split(args.prompts, args.val_prompts, data.val_fraction)
     if not args.corpus.is_dir():
         raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
     from train.corpus import build_prompts
@@ -866,7 +850,7 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
     def take(split, n, seed):
         return [Example(p["prompt"]) for p in build_prompts(split, n=n, seed=seed, root=args.corpus)]
 
-    return take("train", data["num_sequences"], seed), take(data["val_split"], data["val_sequences"], seed + 1)
+    return take("train", data.num_sequences, seed), take(data.val_split, data.val_sequences, seed + 1)
 
 
 def sequences_from_pairs(pairs, gen_tokens: int, max_prompt_tokens: int | None, seq_multiple: int = 16) -> Sequences:
@@ -890,9 +874,8 @@ def _export(out: Path, graphdef, params) -> Path:
 
 def _main(args) -> int:
     s = _settings(args)
-    d, data, tr, op = s["drafter"], s["data"], s["train"], s["optim"]
-    config = DistillConfig(**tr)
-    optim = distill_optim(config.steps, **op)
+    d, data, config = s.drafter, s.data, s.train
+    optim = s.optim.optim(config.steps)
     train_ex = val_ex = None
     if not (args.bench or args.export_only):
         train_ex, val_ex = read_data(args, data, config.seed)  # bad data is refused before the target loads
@@ -900,7 +883,7 @@ def _main(args) -> int:
     target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
     V = target.config.vocab_size
     pairs = val_pairs = []
-    mask = d["mask_token_id"]
+    mask = d.mask_token_id
     if args.export_only and (args.out / "run.json").is_file():
         mask = json.loads((args.out / "run.json").read_text())["drafter"]["mask_token_id"]  # as trained
     if train_ex is not None:
@@ -909,9 +892,8 @@ def _main(args) -> int:
     given = [t for pair in pairs + val_pairs for t in pair if t is not None]
     mask = resolve_mask_token(target.tokenizer, V, mask, given, reserved=target.eos_ids)
     dcfg = make_drafter_config(
-        target.config, num_layers=d["num_layers"], block_size=d["block_size"],
-        target_layer_ids=d["target_layer_ids"], num_taps=d["num_taps"], mask_token_id=mask,
-        intermediate_size=d["intermediate_size"],
+        target.config, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=d.target_layer_ids,
+        num_taps=d.num_taps, mask_token_id=mask, intermediate_size=d.intermediate_size,
     )
     drafter = Drafter(dcfg, nnx.Rngs(config.seed))
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.split(drafter)[1])))
@@ -923,7 +905,7 @@ def _main(args) -> int:
           f"draft tokens/step; {optim}", flush=True)
 
     if args.bench:
-        return bench(target, drafter, config, optim, data["gen_tokens"], args.bench, mesh=mesh)
+        return bench(target, drafter, config, optim, data.gen_tokens, args.bench, mesh=mesh)
 
     if args.export_only:
         graphdef, params = nnx.split(drafter)
@@ -946,16 +928,16 @@ def _main(args) -> int:
     write_prompt_digests(args.out, [p for p, _ in pairs + val_pairs])
     # Rows are as wide as the longest prompt + gen_tokens, so a few long prompts would pad every row: keep
     # their last max_prompt_tokens (the default set's prompts: 25 tokens on average, 69 at the 99th percentile).
-    cut = data["max_prompt_tokens"]
+    cut = data.max_prompt_tokens
     if pairs[0][1] is not None:  # responses given: no generation
-        train_seqs = sequences_from_pairs(pairs, data["gen_tokens"], cut)
-        val_seqs = sequences_from_pairs(val_pairs, data["gen_tokens"], cut) if val_pairs else None
+        train_seqs = sequences_from_pairs(pairs, data.gen_tokens, cut)
+        val_seqs = sequences_from_pairs(val_pairs, data.gen_tokens, cut) if val_pairs else None
     else:
-        gen = dict(batch_size=data["gen_batch_size"], temperature=data["temperature"], cache_dir=args.out / "data")
-        train_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in pairs], data["gen_tokens"],
-                                        greedy_fraction=data["greedy_fraction"], seed=config.seed, name="train", **gen)
-        val_name = data["val_split"] if args.corpus else "validation"
-        val_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in val_pairs], data["gen_tokens"],
+        gen = dict(batch_size=data.gen_batch_size, temperature=data.temperature, cache_dir=args.out / "data")
+        train_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in pairs], data.gen_tokens,
+                                        greedy_fraction=data.greedy_fraction, seed=config.seed, name="train", **gen)
+        val_name = data.val_split if args.corpus else "validation"
+        val_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in val_pairs], data.gen_tokens,
                                       greedy_fraction=1.0, seed=config.seed + 1, name=val_name,
                                       **gen) if val_pairs else None
         cont = np.arange(train_seqs.seq_len)[None] >= train_seqs.prompt_lens[:, None]
@@ -971,7 +953,7 @@ def _main(args) -> int:
           f"{len(val_seqs) if val_seqs is not None else 0} sequences; "
           f"{config.steps * config.batch_size / len(train_seqs):.1f} passes over the sequences", flush=True)
     (args.out / "run.json").write_text(json.dumps({
-        "target": str(args.target), "drafter": dataclasses.asdict(dcfg), "settings": s,
+        "target": str(args.target), "drafter": dataclasses.asdict(dcfg), "settings": dataclasses.asdict(s),
         "data": {"prompts": str(args.prompts) if args.prompts else None,
                  "val_prompts": str(args.val_prompts) if args.val_prompts else None,
                  "corpus": str(args.corpus) if args.corpus else None},

@@ -80,7 +80,7 @@ def dry_run(name: str, args) -> None:
         if module == "distill":
             settings = importlib.import_module("train.distill")._settings(
                 importlib.import_module("train.distill").parse_args(argv))
-            print(json.dumps(settings, indent=1, default=str))
+            print(settings)
         elif module == "target":
             print(json.dumps(importlib.import_module("train.target").load_preset(args.preset), indent=1))
 

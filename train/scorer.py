@@ -40,6 +40,7 @@ from taps_jax.tree.pool import Pool
 from taps_jax.tree.scorer import Scorer, ScorerConfig, ScorerInputs, scorer_log_qcond
 from taps_jax.tree.select import reach
 from train import loop
+from train.config import add_flags, build, option
 from train.traces import check_traces_for_embedding, load_traces
 
 LABELS = ("sampled", "greedy")
@@ -48,27 +49,27 @@ VAL_TAU_BUDGET = 64
 
 @dataclasses.dataclass(frozen=True)
 class ScorerTrainConfig:
-    steps: int = 2000
-    batch_size: int = 32  # trace rows (one sequence-round each) per step
-    lr: float = 3e-3
-    weight_decay: float = 1e-4
-    warmup_steps: int | None = None  # default: 2% of the steps
-    min_lr_ratio: float = 0.0
-    val_fraction: float = 0.1  # of the PROMPTS
-    eval_every: int = 200
-    log_every: int = 10
-    checkpoint_every_s: float = 600.0
-    checkpoint_every: int = 0
-    seed: int = 0
-    token_dim: int = 32
-    hidden_dim: int = 32
-    depth_dim: int = 16
-    mlp_dim: int = 64
-    # What q_cond learns: "sampled" = the target's temperature-1 probability of
-    # each child (what rejection sampling accepts), "greedy" = whether the child
-    # is the target's argmax (what greedy verification accepts).
-    labels: str = "sampled"
-    residual: bool = False  # learn a correction to the drafter's conditional (ScorerConfig.residual)
+    steps: int = option(2000, "optimizer steps")
+    batch_size: int = option(32, "trace rows (one sequence-round each) per step")
+    lr: float = option(3e-3, "peak learning rate (AdamW, cosine)")
+    weight_decay: float = option(1e-4, "AdamW weight decay")
+    warmup_steps: int | None = option(None, "linear warmup steps (default: 2% of the steps)")
+    min_lr_ratio: float = option(0.0, "final learning rate / peak")
+    val_fraction: float = option(0.1, "fraction of the PROMPTS held out for validation")
+    eval_every: int = option(200, "validate every N steps (0: only at the end)")
+    log_every: int = option(10, "log every N steps")
+    checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
+    checkpoint_every: int = option(0, "also checkpoint every N steps (0: by time only)")
+    seed: int = option(0, "initialisation, split and data-order seed")
+    token_dim: int = option(32, "width of the token-embedding projection")
+    hidden_dim: int = option(32, "width of the drafter-hidden-state projection")
+    depth_dim: int = option(16, "width of the depth embedding")
+    mlp_dim: int = option(64, "width of the scorer's MLP heads")
+    labels: str = option("sampled", "what q_cond estimates: 'sampled' = the target's temperature-1 probability of "
+                         "each child (for sampled decoding), 'greedy' = whether it is the target's argmax (for "
+                         "temperature 0)", choices=LABELS)
+    residual: bool = option(False, "learn a correction to the drafter's own conditional (starts at DDTree's "
+                                   "ranking; ScorerConfig.residual)")
 
     def __post_init__(self):
         if self.labels not in LABELS:
@@ -372,40 +373,18 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
 
 
 def main(argv: list[str] | None = None) -> int:
-    d = ScorerTrainConfig()
     p = argparse.ArgumentParser(prog="python -m train.scorer", description="Train the TAPS scorer on traces from `python -m train.traces`.")
     p.add_argument("--traces", type=Path, required=True, help="trace dir (meta.json + shards)")
     p.add_argument("--target", type=Path, required=True, help="the target checkpoint the traces were collected with")
     p.add_argument("--out", type=Path, required=True, help="training dir; the scorer is exported to OUT/scorer")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="trace rows per step")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW, cosine)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 2%% of --steps)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="fraction of PROMPTS held out")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: only at the end)")
-    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s, help="seconds between checkpoints")
-    p.add_argument("--seed", type=int, default=d.seed, help="initialisation, split and data-order seed")
-    p.add_argument("--mlp-dim", type=int, default=d.mlp_dim, help="width of the scorer's MLP heads")
-    p.add_argument("--token-dim", type=int, default=d.token_dim, help="width of the token-embedding projection")
-    p.add_argument("--labels", choices=LABELS, default=d.labels,
-                   help="what q_cond estimates: 'sampled' = the target's temperature-1 probability of each "
-                        "child (for sampled decoding), 'greedy' = whether it is the target's argmax (for "
-                        "temperature 0)")
-    p.add_argument("--residual", action="store_true",
-                   help="the scorer learns a correction to the drafter's own conditional (starts at DDTree's ranking)")
+    add_flags(p, ScorerTrainConfig)  # every setting, with its help and default, from the dataclass
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     sharding.add_mesh_args(p)
     args = p.parse_args(argv)
     try:
         check_output_path(args.out, directory=True)  # before any work
         mesh = sharding.setup_mesh(args)
-        config = ScorerTrainConfig(
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-            warmup_steps=args.warmup_steps, val_fraction=args.val_fraction, eval_every=args.eval_every,
-            checkpoint_every_s=args.checkpoint_every_s, seed=args.seed, mlp_dim=args.mlp_dim,
-            token_dim=args.token_dim, labels=args.labels, residual=args.residual,
-        )
+        config = build(ScorerTrainConfig, None, args)
         s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume, mesh=mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

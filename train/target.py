@@ -49,23 +49,39 @@ from taps_jax.config import ModelConfig
 from taps_jax.models.transformer import Transformer
 from train import corpus, loop
 from train import data as data_lib
+from train.config import add_flags, build, option
 from train.preset import known_presets, read_preset
 from train import tokenizer as tokenizer_lib
 from train.packing import PackedBatches, eval_batches, load_tokens
 
-TRAIN_DEFAULTS = dict(
-    batch_size=16, seq_len=512, steps=1000, seed=0, eval_every=250, eval_batches=16,
-    log_every=10, checkpoint_every_s=600.0, keep=3,
-)
+@dataclasses.dataclass(frozen=True)
+class TargetRun:
+    """The preset's "train" section."""
+
+    batch_size: int = option(16, "windows per step")
+    seq_len: int = option(512, "tokens per window")
+    steps: int = option(1000, "optimizer steps")
+    seed: int = option(0, "initialisation and data-order seed")
+    eval_every: int = option(250, "validate every N steps")
+    eval_batches: int = option(16, "validation batches (evenly spaced over the split)")
+    log_every: int = option(10, "log every N steps")
+    checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
+    keep: int = option(3, "checkpoints kept")
 
 
-def load_preset(name_or_path: str) -> dict:
-    """train/presets/target_<name>.json (or a path to such a file)."""
+@dataclasses.dataclass(frozen=True)
+class TargetSettings:
+    """A target preset: `model` (ModelConfig fields but vocab_size, which the tokenizer gives), `optim`, `train`."""
+
+    model: dict = dataclasses.field(default_factory=dict)
+    optim: loop.OptimConfig = loop.OptimConfig()
+    train: TargetRun = TargetRun()
+
+
+def load_preset(name_or_path: str, args=None) -> TargetSettings:
+    """train/presets/target_<name>.json (or a path to such a file) over the defaults, then the flags in `args`."""
     path, raw = read_preset("target", name_or_path)
-    unknown = set(raw) - {"model", "optim", "train", "comment"}
-    if unknown:
-        raise ValueError(f"{path}: unknown sections {sorted(unknown)}; use model, optim, train")
-    return raw
+    return build(TargetSettings, raw, args, str(path))
 
 
 def lm_loss_fn(graphdef):
@@ -80,19 +96,13 @@ def lm_loss_fn(graphdef):
     return loss_fn
 
 
-def build(preset: dict, vocab_size: int, overrides: dict):
-    """(ModelConfig, OptimConfig, train settings) from a preset plus CLI overrides."""
-    model_cfg = ModelConfig(**{"family": "qwen3", **preset.get("model", {}), "vocab_size": vocab_size})
-    train = {**TRAIN_DEFAULTS, **preset.get("train", {})}
-    train.update({k: v for k, v in overrides.items() if v is not None and k in train})
-    optim = {**preset.get("optim", {}), "total_steps": train["steps"]}
-    if overrides.get("lr") is not None:
-        optim["lr"] = overrides["lr"]
-    if overrides.get("warmup_steps") is not None:
-        optim["warmup_steps"] = overrides["warmup_steps"]
-    optim_cfg = loop.OptimConfig(**optim)
-    optim_cfg = dataclasses.replace(optim_cfg, warmup_steps=min(optim_cfg.warmup_steps, max(1, train["steps"] // 10)))
-    return model_cfg, optim_cfg, train
+def configs(settings: TargetSettings, vocab_size: int) -> tuple[ModelConfig, loop.OptimConfig, TargetRun]:
+    """(ModelConfig, OptimConfig spanning the run's steps, run settings) of a preset."""
+    model_cfg = ModelConfig(**{"family": "qwen3", **settings.model, "vocab_size": vocab_size})
+    tr = settings.train
+    optim = dataclasses.replace(settings.optim, total_steps=tr.steps,
+                                warmup_steps=min(settings.optim.warmup_steps, max(1, tr.steps // 10)))
+    return model_cfg, optim, tr
 
 
 def count_params(params) -> int:
@@ -122,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="training dir (checkpoints, metrics); the model is exported to OUT/export (HF layout)")
     p.add_argument("--preset", default="default",
                    help=f"target preset: one of {', '.join(known_presets('target'))} (train/presets/target_NAME.json, "
-                        f"shipped with the package; 'tiny' trains in seconds) or a JSON file path")
+                        f"shipped with the package; 'tiny' trains in seconds) or a JSON file path; a preset "
+                        f"overrides the built-in values below, a flag overrides the preset")
     p.add_argument("--tokenizer", type=Path, default=Path("runs/default/tokenizer"),
                    help="tokenizer.json or its directory (its vocabulary sizes the model)")
     p.add_argument("--tokens", type=Path, default=Path("runs/default/tokens"),
@@ -134,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-prompts", type=Path,
                    help="validation documents in the same format (default: --val-fraction of --prompts by line hash)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of --prompts lines")
-    p.add_argument("--steps", type=int, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, help="windows per step")
-    p.add_argument("--seq-len", type=int, help="tokens per window")
-    p.add_argument("--lr", type=float, help="peak learning rate (AdamW, warmup + cosine)")
-    p.add_argument("--warmup-steps", type=int, help="linear warmup steps")
-    p.add_argument("--eval-every", type=int, help="validate every N steps")
-    p.add_argument("--checkpoint-every-s", type=float, help="seconds between checkpoints")
-    p.add_argument("--seed", type=int, help="initialisation and data-order seed")
+    add_flags(p, TargetSettings)  # every preset setting, with its help and default, from the dataclasses
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true",
                    help="skip training: export the best (else latest) checkpoint under --out to --out/export")
@@ -188,17 +192,13 @@ def _main(args) -> int:
     tokenizer_file = args.tokenizer / tokenizer_lib.TOKENIZER_FILE if args.tokenizer.is_dir() else args.tokenizer
     vocab = tokenizer_lib.load_tokenizer(tokenizer_file).get_vocab_size()
     documents = read_documents(args, tokenizer_file, vocab)
-    preset = load_preset(args.preset)
-    overrides = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                 "lr": args.lr, "warmup_steps": args.warmup_steps, "eval_every": args.eval_every,
-                 "checkpoint_every_s": args.checkpoint_every_s, "seed": args.seed}
-    model_cfg, optim_cfg, tr = build(preset, vocab, overrides)
-    B, T = tr["batch_size"], tr["seq_len"]
+    model_cfg, optim_cfg, tr = configs(load_preset(args.preset, args), vocab)
+    B, T = tr.batch_size, tr.seq_len
     sharding.check_config(model_cfg, mesh, "target")
     if B % sharding.data_size(mesh):
         raise ValueError(f"--batch-size {B} is not divisible by the mesh's data axis ({sharding.data_size(mesh)})")
 
-    model = Transformer(model_cfg, nnx.Rngs(tr["seed"]))
+    model = Transformer(model_cfg, nnx.Rngs(tr.seed))
     graphdef, params = nnx.split(model)
     n_params = count_params(params)
     n_embed = model_cfg.vocab_size * model_cfg.hidden_size
@@ -216,7 +216,7 @@ def _main(args) -> int:
         with corpus.root_override(args.corpus):
             train_tokens = load_tokens("train", tokenizer_file, args.tokens)
             val_tokens = load_tokens("validation", tokenizer_file, args.tokens)
-    batches = PackedBatches(train_tokens, B, T, seed=tr["seed"])
+    batches = PackedBatches(train_tokens, B, T, seed=tr.seed)
 
     if args.export_only:
         ckpt = loop.Checkpointer(args.out)
@@ -249,11 +249,12 @@ def _main(args) -> int:
               f"{args.bench * B * T / cpu:,.0f} tok per CPU-s  loss {float(m['loss']):.3f}")
         return 0
 
-    val = eval_batches(val_tokens, B, T, max_batches=tr["eval_batches"])
+    val = eval_batches(val_tokens, B, T, max_batches=tr.eval_batches)
     # Host arrays on a mesh (split over "data" by make_eval_fn), device arrays on one device.
     evaluate = loop.make_eval_fn(loss_fn, [np.asarray(b) if mesh else jnp.asarray(b) for b in val], mesh)
     args.out.mkdir(parents=True, exist_ok=True)
-    run_info = {"model": dataclasses.asdict(model_cfg), "optim": dataclasses.asdict(optim_cfg), "train": tr,
+    run_info = {"model": dataclasses.asdict(model_cfg), "optim": dataclasses.asdict(optim_cfg),
+                "train": dataclasses.asdict(tr),
                 "params": n_params, "train_tokens": int(len(train_tokens)),
                 "val_tokens_evaluated": int(len(val) * B * T), "preset": args.preset}
     (args.out / "run.json").write_text(json.dumps(run_info, indent=2, default=str))
@@ -261,8 +262,8 @@ def _main(args) -> int:
           f"validation on {len(val)} batches", flush=True)
 
     cfg = loop.LoopConfig(
-        total_steps=tr["steps"], tokens_per_step=B * T, log_every=tr["log_every"], eval_every=tr["eval_every"],
-        checkpoint_every_s=tr["checkpoint_every_s"], keep=tr["keep"],
+        total_steps=tr.steps, tokens_per_step=B * T, log_every=tr.log_every, eval_every=tr.eval_every,
+        checkpoint_every_s=tr.checkpoint_every_s, keep=tr.keep,
     )
     try:
         result = loop.run(cfg, state, train_step, batches.batch_at, args.out, evaluate=evaluate, resume=args.resume,

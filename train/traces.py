@@ -45,6 +45,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from train import data
+from train.config import add_flags, build, option
 
 from decode.common import check_output_path
 from taps_jax.api import Target, load_target
@@ -91,12 +92,12 @@ FIELDS = {
 class TraceConfig:
     """What a trace set is collected with (static; part of meta.json)."""
 
-    pool_width: int = 32  # W of the large pool; N = H * W nodes
-    pool_k: int = 32  # lattice K of the large pool
-    policy: str = "ddtree"  # the decoding policy that advances the sequences
-    budget: int = 32
-    max_new_tokens: int = 128
-    max_prompt_len: int = 512  # longer prompts keep their last tokens
+    pool_width: int = option(32, "beam width W of the large pool (N = H * W nodes)")
+    pool_k: int = option(32, "lattice width K of the large pool")
+    policy: str = option("ddtree", "the policy that advances decoding", choices=("ddtree", "chain"))
+    budget: int = option(32, "that policy's verification budget")
+    max_new_tokens: int = option(128, "tokens decoded per prompt")
+    max_prompt_len: int = option(512, "longer prompts keep their last tokens")
 
     def __post_init__(self):
         for name in ("pool_width", "pool_k", "budget", "max_new_tokens", "max_prompt_len"):
@@ -443,12 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distill-prompts", type=Path, action="append", default=[],
                    help="a prompts file the drafter was distilled on (repeatable); an overlap is refused")
     p.add_argument("--out", type=Path, required=True, help="output dir (shards + meta.json); resumes if it exists")
-    p.add_argument("--pool-width", type=int, default=32, help="beam width W of the large pool (N = H * W nodes)")
-    p.add_argument("--pool-k", type=int, default=32, help="lattice width K of the large pool")
-    p.add_argument("--policy", choices=("ddtree", "chain"), default="ddtree", help="policy that advances decoding")
-    p.add_argument("--budget", type=int, default=32, help="that policy's verification budget")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt")
-    p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts keep their last tokens")
+    add_flags(p, TraceConfig)  # every setting, with its help and default, from the dataclass
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--shard-rows", type=int, default=4096, help="trace rows per shard file")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
@@ -459,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_output_path(args.out, directory=True)  # before any work
 
-        config = TraceConfig(args.pool_width, args.pool_k, args.policy, args.budget, args.max_new_tokens,
-                             args.max_prompt_len)
+        config = build(TraceConfig, None, args)
         if (args.prompts is None) == (args.corpus is None):
             raise ValueError("give the trace prompts with --prompts FILE.jsonl or --corpus DIR (one of them)")
         if args.corpus is not None and not args.corpus.is_dir():
