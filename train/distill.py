@@ -949,7 +949,7 @@ def _main(args) -> int:
                   file=sys.stderr, flush=True)
     cont = train_seqs.lengths - train_seqs.prompt_lens
     print(f"train: {len(train_seqs)} sequences of width {train_seqs.seq_len}, continuation mean {cont.mean():.0f} "
-          f"tokens ({(cont < data['gen_tokens']).mean():.0%} stopped at EOS); validation: "
+          f"tokens ({(cont < data.gen_tokens).mean():.0%} stopped at EOS); validation: "
           f"{len(val_seqs) if val_seqs is not None else 0} sequences; "
           f"{config.steps * config.batch_size / len(train_seqs):.1f} passes over the sequences", flush=True)
     (args.out / "run.json").write_text(json.dumps({

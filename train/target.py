@@ -203,7 +203,7 @@ def _main(args) -> int:
     n_params = count_params(params)
     n_embed = model_cfg.vocab_size * model_cfg.hidden_size
     print(f"model: {model_cfg}\nparams: {n_params:,} ({n_params - n_embed:,} non-embedding)  "
-          f"batch {B}x{T} = {B * T:,} tokens/step  steps {tr['steps']}  optim {optim_cfg}", flush=True)
+          f"batch {B}x{T} = {B * T:,} tokens/step  steps {tr.steps}  optim {optim_cfg}", flush=True)
 
     loss_fn = lm_loss_fn(graphdef)
     optimizer = loop.make_optimizer(optim_cfg)
@@ -258,7 +258,7 @@ def _main(args) -> int:
                 "params": n_params, "train_tokens": int(len(train_tokens)),
                 "val_tokens_evaluated": int(len(val) * B * T), "preset": args.preset}
     (args.out / "run.json").write_text(json.dumps(run_info, indent=2, default=str))
-    print(f"train tokens {len(train_tokens):,}; {tr['steps'] * B * T / len(train_tokens):.2f} epochs; "
+    print(f"train tokens {len(train_tokens):,}; {tr.steps * B * T / len(train_tokens):.2f} epochs; "
           f"validation on {len(val)} batches", flush=True)
 
     cfg = loop.LoopConfig(
