@@ -1,12 +1,17 @@
 """Distil a DFlash block-diffusion drafter from a frozen target (DESIGN section 4).
 
-    python -m train.distill --target runs/default/target_train/export --out runs/default/drafter_train
-        [--preset default] [--num-sequences N] [--gen-tokens T] [--layers L] [--block-size 16]
+    python -m train.distill --target DIR --out DIR (--prompts FILE.jsonl [--val-prompts FILE.jsonl] | --corpus DIR)
+        [--preset default|tiny|FILE] [--mask-token-id ID] [--gen-tokens T] [--layers L] [--block-size 16]
         [--steps N] [--batch-size B] [--anchors-per-seq A] [--resume] [--export-only] [--bench N]
 
-Pipeline
+Every setting is a field of `DistillSettings` (drafter / data / optim /
+train sections): a preset file's sections, overridden by flags.
+
+Pipeline (data: train/distill_data.py, objective and metrics:
+train/distill_objective.py; settings, the run, the CLI and --bench: here)
 --------
-1. Data: function-signature prompts from the corpus TRAIN split, continued by
+1. Data: your prompts (--prompts, train.data), or function-signature prompts
+   from a corpus TRAIN split (--corpus: the embedded recipe), continued by
    the target's own batched AR generator (`Target.generate`). A fraction
    (`--greedy-fraction`, default 0.5) is greedy (the decode-time distribution
    of greedy decoding), the rest sampled at `--temperature` (0.9: diversity,
@@ -73,11 +78,8 @@ Pipeline
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -88,41 +90,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.api import Target, load_target
 from taps_jax.checkpoints.dflash import save_drafter
 from taps_jax.config import DrafterConfig, ModelConfig
-from taps_jax.engine.batching import bucket
 from taps_jax.models.drafter import Drafter
-from taps_jax.models.transformer import Transformer
 from train import loop
 from train.config import add_flags, build, option
 from train.preset import known_presets, read_preset
 from train.data import (PROMPT_DIGESTS, Example, encode_examples, read_split, resolve_mask_token,
                         write_prompt_digests)
-from train.tokenizer import MASK_ID, PAD_ID
+# Re-exported: train.distill is the stage's public face (data and objective live in their own modules).
+from train.distill_data import (  # noqa: F401
+    AnchorBatches, Sequences, anchor_range, generate_sequences, params_fingerprint, sample_anchors,
+    sequences_from_pairs)
+from train.distill_objective import (  # noqa: F401
+    anchor_block_mask, block_forward, block_tokens, default_gamma, labels_and_weights, make_evaluator,
+    make_forward, make_loss_fn, plot_agreement, position_weights, summarize, target_taps)
+from train.tokenizer import MASK_ID
 
 ANCHOR_REGIONS = ("continuation", "all")
 
 
 # --------------------------------------------------------------------------- settings
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss-weight decay: 7 for Kb = 16 (DFlash), scaled as 7 * (Kb - 1) / 15 otherwise."""
-    return 7.0 * (block_size - 1) / 15.0
-
-
-def position_weights(block_size: int, gamma: float | None = None) -> np.ndarray:
-    """w_k = exp(-(k-1)/gamma) for drafted slots k = 1..H. [H] float32"""
-    gamma = default_gamma(block_size) if gamma is None else gamma
-    if not gamma > 0:
-        raise ValueError(f"gamma must be > 0 (the decay length of the loss weights), got {gamma!r}")
-    return np.exp(-np.arange(block_size - 1) / gamma).astype(np.float32)
-
 
 def spread_taps(num_target_layers: int, num_taps: int = 3) -> tuple[int, ...]:
     """Target layers to tap: evenly spread over [1, L-1] (shallow to the final layer).
@@ -263,138 +255,6 @@ class DistillSettings:
     train: DistillConfig = DistillConfig()
 
 
-# --------------------------------------------------------------------------- data: target generations
-
-
-@dataclasses.dataclass
-class Sequences:
-    """Prompt + target continuation per row, right-padded with PAD."""
-
-    tokens: np.ndarray  # [N, S] int32
-    prompt_lens: np.ndarray  # [N] int32
-    lengths: np.ndarray  # [N] int32: prompt + continuation (EOS included when generated)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def seq_len(self) -> int:
-        return self.tokens.shape[1]
-
-    def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        for name in ("tokens", "prompt_lens", "lengths"):
-            tmp = path / f"{name}.tmp{os.getpid()}.npy"
-            np.save(tmp, getattr(self, name))
-            os.replace(tmp, path / f"{name}.npy")
-
-    @classmethod
-    def load(cls, path: Path) -> "Sequences":
-        return cls(*(np.load(path / f"{name}.npy") for name in ("tokens", "prompt_lens", "lengths")))
-
-
-def params_fingerprint(params) -> str:
-    """sha1 of every parameter's bytes (cache key for generations of these weights)."""
-    h = hashlib.sha1()
-    for leaf in jax.tree.leaves(params):
-        a = np.asarray(leaf)
-        h.update(str((a.shape, a.dtype)).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
-def generate_sequences(
-    target: Target,
-    prompts: list[list[int]],
-    gen_tokens: int,
-    *,
-    batch_size: int = 64,
-    greedy_fraction: float = 0.5,
-    temperature: float = 0.9,
-    seed: int = 0,
-    cache_dir: Path | None = None,
-    name: str = "train",
-    seq_multiple: int = 16,
-) -> Sequences:
-    """Continue every prompt with the target (batched AR), cached on disk.
-
-    The first round(greedy_fraction * N) prompts are continued greedily, the
-    rest sampled at `temperature` (prompts come in random order, so both
-    halves are random subsets). Batch i of a mode uses seed + i. Every batch
-    is padded to `batch_size` and to one cache capacity, so generation
-    compiles once per prompt-length bucket and mode. Rows are padded to a
-    multiple of `seq_multiple` tokens.
-    """
-    if not prompts:
-        raise ValueError("no prompts to continue")
-    if not 0.0 <= greedy_fraction <= 1.0:
-        raise ValueError(f"greedy_fraction must lie in [0, 1], got {greedy_fraction!r}")
-    if greedy_fraction < 1.0 and not temperature > 0:
-        raise ValueError(f"sampled continuations need temperature > 0, got {temperature!r}")
-    n = len(prompts)
-    n_greedy = round(greedy_fraction * n)
-    longest = max(map(len, prompts))
-    width = -(-(longest + gen_tokens) // seq_multiple) * seq_multiple
-    capacity = bucket(longest + gen_tokens)
-    key = hashlib.sha1(json.dumps({
-        "target": params_fingerprint(target.params), "eos": list(target.eos_ids),
-        "prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "gen_tokens": gen_tokens,
-        "batch_size": batch_size, "n_greedy": n_greedy, "temperature": temperature, "seed": seed,
-        "width": width,
-    }, sort_keys=True).encode()).hexdigest()[:12]
-    final = cache_dir / f"{name}-{key}" if cache_dir is not None else None
-    if final is not None and (final / "lengths.npy").is_file():
-        seqs = Sequences.load(final)
-        tqdm.write(f"{name}: {len(seqs)} cached target continuations from {final}")
-        return seqs
-    parts = final / "parts" if final is not None else None
-    if parts is not None:
-        parts.mkdir(parents=True, exist_ok=True)
-
-    # Batches never mix modes: [0, n_greedy) greedy, [n_greedy, n) sampled.
-    batches = [(lo, min(lo + batch_size, n_greedy), True) for lo in range(0, n_greedy, batch_size)]
-    batches += [(lo, min(lo + batch_size, n), False) for lo in range(n_greedy, n, batch_size)]
-    rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
-    bar = tqdm(total=n, desc=f"generate {name}", unit="seq", dynamic_ncols=True, smoothing=0.1,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    t0, made = time.perf_counter(), 0
-    for i, (lo, hi, greedy) in enumerate(batches):
-        part = parts / f"{lo:07d}.npy" if parts is not None else None
-        if part is not None and part.is_file():
-            rows[lo:hi] = np.load(part)
-        else:
-            chunk = prompts[lo:hi]
-            chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one batch shape: one compile
-            result = target.generate(
-                chunk, gen_tokens, temperature=0.0 if greedy else temperature, seed=seed + i,
-                capacity=capacity,
-            )
-            for r, (p, c) in enumerate(zip(chunk[: hi - lo], result.tokens)):
-                seq = list(p) + list(c)
-                rows[lo + r, 0], rows[lo + r, 1] = len(p), len(seq)
-                rows[lo + r, 2 : 2 + len(seq)] = seq
-                made += len(c)
-            if part is not None:
-                np.save(part.with_suffix(".tmp.npy"), rows[lo:hi])
-                os.replace(part.with_suffix(".tmp.npy"), part)
-        bar.update(hi - lo)
-        bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
-    bar.close()
-    seqs = Sequences(rows[:, 2:].copy(), rows[:, 0].copy(), rows[:, 1].copy())
-    if final is not None:
-        seqs.save(final)
-        (final / "meta.json").write_text(json.dumps({
-            "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
-            "gen_tokens": gen_tokens,
-            "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
-        }, indent=2))
-        shutil.rmtree(parts, ignore_errors=True)
-    return seqs
-
-
-# --------------------------------------------------------------------------- anchors and batches
-
-
 def distillation_prompt_texts(preset: str) -> set[str]:
     """The prompt texts that `--preset PRESET` distils on: prompt sets meant to
     measure the drafter (e.g. TAPS traces) must not contain them, since the
@@ -403,282 +263,6 @@ def distillation_prompt_texts(preset: str) -> set[str]:
 
     s = load_preset(preset)
     return {p["prompt"] for p in build_prompts("train", n=s.data.num_sequences, seed=s.train.seed)}
-
-
-def anchor_range(prompt_len: int, length: int, block_size: int, region: str) -> tuple[int, int]:
-    """Inclusive [lo, hi] of anchor positions for one sequence (hi < lo: none)."""
-    lo = prompt_len if region == "continuation" else 0
-    hi = length - block_size  # all H labels inside the sequence
-    if hi < lo:  # a continuation cut short by EOS: keep what labels there are (the rest masked)
-        hi = length - 2
-    return lo, hi
-
-
-def sample_anchors(rng: np.random.Generator, lo: int, hi: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """`count` distinct anchors in [lo, hi] (sorted) and a validity mask; too few -> padded invalid."""
-    anchors, valid = np.zeros(count, np.int32), np.zeros(count, bool)
-    if hi >= lo:
-        span = hi - lo + 1
-        got = np.sort(lo + rng.choice(span, size=min(count, span), replace=False))
-        anchors[: len(got)], valid[: len(got)] = got, True
-        anchors[len(got):] = lo
-    return anchors, valid
-
-
-class AnchorBatches:
-    """Deterministic, resumable batches of sequences + anchors.
-
-    batch_at(step) -> {"tokens": [B, S] int32, "anchors": [B, A] int32,
-    "anchor_valid": [B, A] bool, "lengths": [B] int32}. Sequence order is an
-    epoch-wise permutation seeded by (seed, epoch); anchors are seeded by
-    (seed, step, row). No state, so a resumed run sees the same batches.
-    """
-
-    def __init__(self, seqs: Sequences, batch_size: int, anchors_per_seq: int, block_size: int,
-                 region: str = "continuation", seed: int = 0):
-        if len(seqs) == 0:
-            raise ValueError("no training sequences")
-        self.seqs, self.B, self.A, self.Kb = seqs, batch_size, anchors_per_seq, block_size
-        self.region, self.seed = region, seed
-        self._perm: dict[int, np.ndarray] = {}
-        ranges = [anchor_range(int(p), int(n), block_size, region) for p, n in zip(seqs.prompt_lens, seqs.lengths)]
-        self.ranges = np.asarray(ranges, np.int64).reshape(-1, 2)
-        if not (self.ranges[:, 1] >= self.ranges[:, 0]).any():
-            raise ValueError("no sequence is long enough for one anchor; generate longer continuations")
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perm:
-            if len(self._perm) >= 2:
-                self._perm.pop(min(self._perm))
-            self._perm[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
-        return self._perm[epoch]
-
-    def rows_at(self, step: int) -> np.ndarray:
-        samples = step * self.B + np.arange(self.B)
-        return np.array([self._order(int(s) // len(self.seqs))[int(s) % len(self.seqs)] for s in samples])
-
-    def batch_at(self, step: int) -> dict:
-        return self.batch_of(self.rows_at(step), np.random.default_rng([self.seed, 1 << 20, step]))
-
-    def batch_of(self, rows: np.ndarray, rng: np.random.Generator) -> dict:
-        anchors, valid = zip(*(sample_anchors(rng, *self.ranges[r], self.A) for r in rows))
-        return {
-            "tokens": self.seqs.tokens[rows].astype(np.int32),
-            "anchors": np.stack(anchors),
-            "anchor_valid": np.stack(valid),
-            "lengths": self.seqs.lengths[rows].astype(np.int32),
-        }
-
-    def fixed_batches(self, seed: int = 12345) -> list[dict]:
-        """Every sequence once, in order, with fixed anchors (validation); the last batch is padded invalid."""
-        rng = np.random.default_rng([seed])
-        out = []
-        for lo in range(0, len(self.seqs), self.B):
-            rows = np.arange(lo, min(lo + self.B, len(self.seqs)))
-            pad = self.B - len(rows)
-            batch = self.batch_of(np.concatenate([rows, np.full(pad, rows[0])]), rng)
-            batch["anchor_valid"][len(rows):] = False
-            out.append(batch)
-        return out
-
-
-# --------------------------------------------------------------------------- the training forward
-
-
-def anchor_block_mask(anchors_BA, context_len: int, block_size: int):
-    """Visibility [B, A*Kb, C + A*Kb] over [context; blocks] keys for the training forward.
-
-    Row (j, k) (slot k of block j) sees context positions c < anchors[j]
-    (strictly: keyed on the anchor POSITION, not on the block index) and the
-    Kb slots of block j; no other block.
-    """
-    B, A = anchors_BA.shape
-    T = A * block_size
-    anchor_BT = jnp.repeat(anchors_BA, block_size, axis=1)
-    context_BTC = jnp.arange(context_len)[None, None, :] < anchor_BT[:, :, None]
-    block_T = jnp.arange(T) // block_size
-    own_TT = block_T[:, None] == block_T[None, :]
-    return jnp.concatenate([context_BTC, jnp.broadcast_to(own_TT, (B, T, T))], axis=-1)
-
-
-def block_tokens(tokens_BS, anchors_BA, block_size: int, mask_token_id: int):
-    """[tok[anchor], MASK x H] per anchor. [B, A, Kb] int32"""
-    anchor_tok_BA = jnp.take_along_axis(tokens_BS, anchors_BA, axis=1)
-    B, A = anchors_BA.shape
-    masks = jnp.full((B, A, block_size - 1), mask_token_id, tokens_BS.dtype)
-    return jnp.concatenate([anchor_tok_BA[..., None], masks], axis=-1)
-
-
-def block_forward(drafter: Drafter, target: Transformer, blocks_BAK, anchors_BA, taps_BSF):
-    """Drafter logits [B, A, H, V] (float32) of all blocks of each sequence in ONE forward.
-
-    Block j (tokens blocks_BAK[:, j], embedded with the target's table) sits at
-    positions anchors[j] .. anchors[j] + H and attends per `anchor_block_mask`
-    to the fused context taps_BSF (positions 0..S-1). Slot k predicts the token
-    at anchors[j] + k; slot 0 (the anchor) is not a prediction.
-    """
-    B, A, Kb = blocks_BAK.shape
-    S = taps_BSF.shape[1]
-    positions_BAK = anchors_BA[..., None] + jnp.arange(Kb, dtype=jnp.int32)
-    ctx_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    embeds_BTD = target.embed(blocks_BAK.reshape(B, A * Kb))
-    hidden_BTD = drafter.forward_masked(
-        embeds_BTD, positions_BAK.reshape(B, A * Kb), taps_BSF, ctx_positions_BS,
-        anchor_block_mask(anchors_BA, S, Kb),
-    )
-    hidden_BAHD = hidden_BTD.reshape(B, A, Kb, -1)[:, :, 1:]
-    return target.unembed(hidden_BAHD).astype(jnp.float32)
-
-
-def target_taps(target: Transformer, tokens_BS, layer_ids: tuple[int, ...]):
-    """Frozen tap features [B, S, n_taps * D] of whole sequences (causal; the lm head is skipped)."""
-    B, S = tokens_BS.shape
-    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    causal_BSS = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
-    _, taps_BSF, _ = target(tokens_BS, positions_BS, causal_BSS, taps=layer_ids,
-                            logits_index_BI=jnp.zeros((B, 1), jnp.int32))
-    return jax.lax.stop_gradient(taps_BSF)
-
-
-def labels_and_weights(tokens_BS, anchors_BA, anchor_valid_BA, lengths_B, weights_H):
-    """Labels tok[anchor + k] [B, A, H] and loss weights w_k (0 where invalid or past the end)."""
-    S = tokens_BS.shape[1]
-    H = weights_H.shape[0]
-    pos_BAH = anchors_BA[..., None] + jnp.arange(1, H + 1, dtype=jnp.int32)
-    labels_BAH = jnp.take_along_axis(tokens_BS[:, None, :], jnp.minimum(pos_BAH, S - 1), axis=2)
-    valid_BAH = anchor_valid_BA[..., None] & (pos_BAH < lengths_B[:, None, None])
-    return labels_BAH, jnp.where(valid_BAH, weights_H, 0.0), valid_BAH
-
-
-def make_forward(drafter_graphdef, target_graphdef, weights_H: np.ndarray):
-    """(drafter params, batch) -> (logits [B,A,H,V], labels [B,A,H], weights [B,A,H], valid [B,A,H]).
-
-    batch holds the frozen target params under "target" (`loop.run(frozen=...)`: an argument, not a
-    closure constant, so they are not baked into the compiled program).
-    """
-    weights_H = jnp.asarray(weights_H)
-
-    def forward(params, batch):
-        drafter = nnx.merge(drafter_graphdef, params)
-        target = nnx.merge(target_graphdef, batch["target"])
-        c = drafter.config
-        tokens_BS, anchors_BA = batch["tokens"], batch["anchors"]
-        taps_BSF = target_taps(target, tokens_BS, c.target_layer_ids)
-        blocks_BAK = block_tokens(tokens_BS, anchors_BA, c.block_size, c.mask_token_id)
-        logits_BAHV = block_forward(drafter, target, blocks_BAK, anchors_BA, taps_BSF)
-        labels_BAH, w_BAH, valid_BAH = labels_and_weights(
-            tokens_BS, anchors_BA, batch["anchor_valid"], batch["lengths"], weights_H)
-        return logits_BAHV, labels_BAH, w_BAH, valid_BAH
-
-    return forward
-
-
-def make_loss_fn(forward):
-    """(params, batch) -> (sum_k w_k CE_k / sum_k w_k over the batch, {})."""
-
-    def loss_fn(params, batch):
-        logits_BAHV, labels_BAH, w_BAH, _ = forward(params, batch)
-        ce_BAH = optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, labels_BAH)
-        return jnp.sum(ce_BAH * w_BAH) / jnp.maximum(jnp.sum(w_BAH), 1e-9), {}
-
-    return loss_fn
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | None, H: int,
-                   start_step: int = 0):
-    """evaluate(params, step) -> `summarize`'s dict: weighted val CE ("loss"), per-position agreement, tau.
-
-    Rows go to out_dir/val_agreement.csv (those of steps <= start_step kept on resume) and agreement.png.
-    """
-
-    @jax.jit
-    def stats(params, batch):
-        logits_BAHV, labels_BAH, w_BAH, valid_BAH = forward(params, batch)
-        ce_BAH = optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, labels_BAH)
-        hit_BAH = (jnp.argmax(logits_BAHV, -1) == labels_BAH) & valid_BAH
-        full_BA = jnp.all(valid_BAH, axis=-1)  # blocks with all H labels: the empirical chain
-        leading_BA = jnp.sum(jnp.cumprod(hit_BAH, axis=-1), axis=-1)
-        return {
-            "ce": jnp.sum(ce_BAH * w_BAH), "w": jnp.sum(w_BAH),
-            "hit_H": jnp.sum(hit_BAH, axis=(0, 1)), "n_H": jnp.sum(valid_BAH, axis=(0, 1)),
-            "leading": jnp.sum(jnp.where(full_BA, leading_BA, 0)), "blocks": jnp.sum(full_BA),
-        }
-
-    csv_path = out_dir / "val_agreement.csv" if out_dir is not None else None
-    fields = ["step", "loss", "acc_mean", "tau_cumprod", "tau_chain"] + [f"acc_{k}" for k in range(1, H + 1)]
-    rows: list[dict] = []
-    if csv_path is not None:
-        if csv_path.exists() and start_step > 0:
-            with csv_path.open() as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
-        with csv_path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fields)
-            w.writeheader()
-            w.writerows(rows)
-
-    def evaluate(params, step: int) -> dict:
-        got = jax.device_get([stats(params, {**b, "target": target_params}) for b in batches])
-        total = {k: sum(g[k] for g in got) for k in got[0]}
-        m = summarize(total)
-        if csv_path is not None:
-            row = {"step": step, "loss": f"{m['loss']:.5f}", "acc_mean": f"{m['acc_mean']:.4f}",
-                   "tau_cumprod": f"{m['tau_cumprod']:.4f}", "tau_chain": f"{m['tau_chain']:.4f}",
-                   **{f"acc_{k + 1}": f"{a:.4f}" for k, a in enumerate(m["acc"])}}
-            if rows and int(rows[-1]["step"]) >= row["step"]:
-                # Steps redone after a resume fell back past a damaged checkpoint: replace their rows.
-                rows[:] = [r for r in rows if int(r["step"]) < row["step"]]
-                with csv_path.open("w", newline="") as f:
-                    w = csv.DictWriter(f, fields)
-                    w.writeheader()
-                    w.writerows(rows)
-            rows.append(row)
-            with csv_path.open("a", newline="") as f:
-                csv.DictWriter(f, fields).writerow(row)
-            plot_agreement(rows, out_dir / "agreement.png", H)
-        tqdm.write(f"val agreement k=1..{H}: " + " ".join(f"{a:.2f}" for a in m["acc"])
-                   + f"  mean {m['acc_mean']:.3f}  tau {m['tau_cumprod']:.2f} (cumprod) "
-                   f"{m['tau_chain']:.2f} (chain)")
-        return m
-
-    return evaluate
-
-
-def summarize(total: dict) -> dict:
-    acc = np.asarray(total["hit_H"], np.float64) / np.maximum(np.asarray(total["n_H"], np.float64), 1)
-    return {
-        "loss": float(total["ce"] / max(float(total["w"]), 1e-9)),
-        "acc": acc.tolist(),
-        "acc_mean": float(acc.mean()),
-        "tau_cumprod": float(1.0 + np.cumprod(acc).sum()),
-        "tau_chain": float(1.0 + total["leading"] / max(int(total["blocks"]), 1)),
-    }
-
-
-def plot_agreement(rows: list[dict], path: Path, H: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    last = rows[-1]
-    a1.plot(range(1, H + 1), [float(last[f"acc_{k}"]) for k in range(1, H + 1)], "o-")
-    a1.set(xlabel="drafted position k", ylabel="top-1 agreement with target", ylim=(0, 1),
-           title=f"step {last['step']}")
-    steps = [int(r["step"]) for r in rows]
-    a2.plot(steps, [float(r["tau_cumprod"]) for r in rows], "o-", label="1 + sum cumprod(acc)")
-    a2.plot(steps, [float(r["tau_chain"]) for r in rows], "s-", label="empirical chain")
-    a2.set(xlabel="step", ylabel="expected accepted length (tau)")
-    a2.legend()
-    for a in (a1, a2):
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- training
@@ -851,17 +435,6 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
         return [Example(p["prompt"]) for p in build_prompts(split, n=n, seed=seed, root=args.corpus)]
 
     return take("train", data.num_sequences, seed), take(data.val_split, data.val_sequences, seed + 1)
-
-
-def sequences_from_pairs(pairs, gen_tokens: int, max_prompt_tokens: int | None, seq_multiple: int = 16) -> Sequences:
-    """Given prompt + response pairs as Sequences (prompts keep their last tokens, responses their first)."""
-    rows = [((p[-max_prompt_tokens:] if max_prompt_tokens else p), r[:gen_tokens]) for p, r in pairs]
-    width = -(-max(len(p) + len(r) for p, r in rows) // seq_multiple) * seq_multiple
-    tokens = np.full((len(rows), width), PAD_ID, np.int32)
-    for i, (p, r) in enumerate(rows):
-        tokens[i, : len(p) + len(r)] = p + r
-    return Sequences(tokens, np.array([len(p) for p, _ in rows], np.int32),
-                     np.array([len(p) + len(r) for p, r in rows], np.int32))
 
 
 def _export(out: Path, graphdef, params) -> Path:
