@@ -87,6 +87,17 @@ def read_examples(path) -> list[Example]:
     return out
 
 
+def add_data_flags(parser, prompts: str, corpus: str, val_prompts: bool = True) -> None:
+    """--prompts FILE.jsonl [--val-prompts FILE.jsonl] | --corpus DIR, in one group ("your data")."""
+    group = parser.add_argument_group("your data")
+    group.add_argument("--prompts", type=Path, help=prompts)
+    if val_prompts:
+        group.add_argument("--val-prompts", type=Path,
+                           help="validation prompts in the same format (default: the --val-fraction of --prompts "
+                                "lines picked by a stable hash of each line); a line in both files is refused")
+    group.add_argument("--corpus", type=Path, help=corpus)
+
+
 def hash_split(examples: Sequence[Example], val_fraction: float) -> tuple[list[Example], list[Example]]:
     """(train, validation): an example is validation when its record hash falls below val_fraction."""
     if not 0.0 <= val_fraction < 1.0:

@@ -99,9 +99,9 @@ from taps_jax.config import DrafterConfig, ModelConfig
 from taps_jax.models.drafter import Drafter
 from train import loop
 from train.config import add_flags, build, option
-from train.preset import known_presets, read_preset
-from train.data import (PROMPT_DIGESTS, Example, encode_examples, read_split, resolve_mask_token,
-                        write_prompt_digests)
+from train.preset import add_preset_flag, read_preset
+from train.data import (PROMPT_DIGESTS, Example, add_data_flags, encode_examples, read_split,
+                        resolve_mask_token, write_prompt_digests)
 # Re-exported: train.distill is the stage's public face (data and objective live in their own modules).
 from train.distill_data import (  # noqa: F401
     AnchorBatches, Sequences, anchor_range, generate_sequences, params_fingerprint, sample_anchors,
@@ -379,21 +379,12 @@ def parse_args(argv):
                    help="target checkpoint dir (Hugging Face layout: config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--out", type=Path, required=True,
                    help="training dir (checkpoints, data cache, metrics); the drafter is exported to OUT/export")
-    p.add_argument("--preset", default="default",
-                   help=f"drafter preset: one of {', '.join(known_presets('drafter'))} (train/presets/drafter_NAME.json, "
-                        f"shipped with the package; 'tiny' is a seconds-long smoke test) or a JSON file path; a preset "
-                        f"overrides the built-in values below, a flag overrides the preset")
-    data = p.add_argument_group("your data (give --prompts or --corpus)")
-    data.add_argument("--prompts", type=Path,
-                      help='JSONL, one {"prompt": "..."} or {"ids": [...]} per line (the target continues each), or '
-                           '{"prompt": ..., "response": ...} / {"ids": ..., "response_ids": ...} (continuations '
-                           'given: no generation). Every line is used; --num-sequences does not apply')
-    data.add_argument("--val-prompts", type=Path,
-                      help="validation prompts in the same format (default: the --val-fraction of --prompts "
-                           "lines picked by a stable hash of each line)")
-    data.add_argument("--corpus", type=Path,
-                      help="instead of --prompts: a tree of .py files; prompts are function signatures of its "
-                           "train split, validation prompts of its validation split (split by file path hash)")
+    add_preset_flag(p, "drafter", "is a seconds-long smoke test")
+    add_data_flags(p, prompts='JSONL, one {"prompt": "..."} or {"ids": [...]} per line (the target continues each), '
+                              'or {"prompt": ..., "response": ...} / {"ids": ..., "response_ids": ...} '
+                              '(continuations given: no generation). Every line is used',
+                   corpus="instead of --prompts: a tree of .py files; prompts are function signatures of its train "
+                          "split, validation prompts of its --val-split (split by file path hash)")
     add_flags(p, DistillSettings)  # every preset setting, with its help and default, from the dataclasses
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")

@@ -41,3 +41,11 @@ def read_preset(stage: str, name_or_path: str) -> tuple[Path, dict]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a preset is a JSON object of sections")
     return path, raw
+
+
+def add_preset_flag(parser, stage: str, tiny: str) -> None:
+    """--preset NAME|FILE for a stage's CLI, listing the shipped presets."""
+    parser.add_argument("--preset", default="default",
+                        help=f"{stage} preset: one of {', '.join(known_presets(stage))} "
+                             f"(train/presets/{stage}_NAME.json, shipped with the package; 'tiny' {tiny}) or a JSON "
+                             f"file path; a preset overrides the built-in values below, a flag overrides the preset")

@@ -50,9 +50,10 @@ from taps_jax.models.transformer import Transformer
 from train import corpus, loop
 from train import data as data_lib
 from train.config import add_flags, build, option
-from train.preset import known_presets, read_preset
+from train.preset import add_preset_flag, read_preset
 from train import tokenizer as tokenizer_lib
 from train.packing import PackedBatches, eval_batches, load_tokens
+
 
 @dataclasses.dataclass(frozen=True)
 class TargetRun:
@@ -130,20 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                     "FILE.jsonl (each line's prompt + response is one document). The model lands in OUT/export.")
     p.add_argument("--out", type=Path, required=True,
                    help="training dir (checkpoints, metrics); the model is exported to OUT/export (HF layout)")
-    p.add_argument("--preset", default="default",
-                   help=f"target preset: one of {', '.join(known_presets('target'))} (train/presets/target_NAME.json, "
-                        f"shipped with the package; 'tiny' trains in seconds) or a JSON file path; a preset "
-                        f"overrides the built-in values below, a flag overrides the preset")
+    add_preset_flag(p, "target", "trains in seconds")
     p.add_argument("--tokenizer", type=Path, default=Path("runs/default/tokenizer"),
                    help="tokenizer.json or its directory (its vocabulary sizes the model)")
     p.add_argument("--tokens", type=Path, default=Path("runs/default/tokens"),
                    help="token cache dir of --corpus (a cache per split, tokenizer and file list)")
-    p.add_argument("--corpus", type=Path, help="pretrain on the .py files under DIR (split by file path hash)")
-    p.add_argument("--prompts", type=Path,
-                   help='pretrain on a JSONL file instead: {"prompt": ...} lines, optionally with "response" '
-                        '(ids lines: "ids" / "response_ids"); each line is one document followed by EOS')
-    p.add_argument("--val-prompts", type=Path,
-                   help="validation documents in the same format (default: --val-fraction of --prompts by line hash)")
+    data_lib.add_data_flags(
+        p, prompts='pretrain on a JSONL file instead of a corpus: {"prompt": ...} lines, optionally with "response" '
+                   '("ids" / "response_ids" lines: token ids); each line is one document followed by EOS',
+        corpus="pretrain on the .py files under DIR (split by file path hash; default: this interpreter's "
+               "standard library)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of --prompts lines")
     add_flags(p, TargetSettings)  # every preset setting, with its help and default, from the dataclasses
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")

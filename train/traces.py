@@ -434,12 +434,11 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Collect TAPS scorer traces: target labels on large draft pools.")
     p.add_argument("--target", type=Path, required=True, help="target checkpoint dir (Hugging Face layout)")
     p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter checkpoint dir")
-    p.add_argument("--prompts", type=Path,
-                   help='JSONL: {"prompt": "..."} or {"ids": [...]} per line; must not hold the prompts the drafter '
-                        'was distilled on (checked against DRAFTER/distill_prompts.json and --distill-prompts)')
-    p.add_argument("--corpus", type=Path,
-                   help="instead of --prompts: function-signature prompts of the train split of this tree of .py "
-                        "files, skipping the drafter's distillation prompts")
+    data.add_data_flags(
+        p, prompts='JSONL: {"prompt": "..."} or {"ids": [...]} per line; must not hold the prompts the drafter was '
+                   'distilled on (checked against DRAFTER/distill_prompts.json and --distill-prompts)',
+        corpus="instead of --prompts: function-signature prompts of the train split of this tree of .py files, "
+               "skipping the drafter's distillation prompts", val_prompts=False)
     p.add_argument("--num-prompts", type=int, default=256, help="--corpus: how many prompts")
     p.add_argument("--distill-prompts", type=Path, action="append", default=[],
                    help="a prompts file the drafter was distilled on (repeatable); an overlap is refused")
