@@ -41,7 +41,7 @@ from taps_jax.tree.scorer import Scorer, ScorerConfig, ScorerInputs, scorer_log_
 from taps_jax.tree.select import reach
 from train import loop
 from train.config import add_flags, build, option
-from train.traces import check_traces_for_embedding, load_traces
+from train.traces import check_traces_for_embedding, load_traces, unflatten_inputs
 
 LABELS = ("sampled", "greedy")
 VAL_TAU_BUDGET = 64
@@ -108,19 +108,8 @@ def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
 
 
 def inputs_from_batch(batch: dict, width: int) -> ScorerInputs:
-    """ScorerInputs of a batch of trace rows (the scorer's own view of a round)."""
-    pool = Pool(
-        parent_BN=batch["parent"].astype(jnp.int32),
-        token_BN=batch["token"].astype(jnp.int32),
-        depth_BN=batch["depth"].astype(jnp.int32),
-        rank_BN=batch["rank"].astype(jnp.int32),
-        step_logprob_BN=batch["step_logprob"].astype(jnp.float32),
-        cum_logprob_BN=batch["cum_logprob"].astype(jnp.float32),
-        valid_BN=batch["valid"].astype(bool),
-        width=width,
-    )
-    return ScorerInputs(pool, batch["entropy"], batch["margin"], batch["topk_mass"], batch["hidden"],
-                        batch["root_token"].astype(jnp.int32))
+    """ScorerInputs of a batch of trace rows (the scorer's own view of a round; the schema is train.traces')."""
+    return unflatten_inputs(batch, width)
 
 
 def scorer_loss(pool: Pool, log_q_BN, log_qo_BS, p_BN, po_BS, reach_BN, row_w_B):

@@ -58,34 +58,68 @@ from taps_jax.engine.speculative import SpecConfig, SpecState, draft_stage, init
 from taps_jax.tree.lattice import build_lattice
 from taps_jax.tree.policies import TreeConfig
 from taps_jax.tree.pool import Pool, build_pool
+from taps_jax.tree.scorer import ScorerInputs
 from taps_jax.tree.select import Tree, ancestor_mask, reach
 
 FORMAT = "taps-traces"
 VERSION = 1
 META_NAME = "meta.json"
 
-# name -> (on-disk dtype, shape in terms of N nodes, S = N + 1 parent slots, H depths, D drafter width)
-FIELDS = {
-    "prompt_id": (np.int32, ()),
-    "round": (np.int32, ()),
-    "length": (np.int32, ()),
-    "root_token": (np.int32, ()),
-    "token": (np.int32, ("N",)),
-    "parent": (np.int16, ("N",)),
-    "depth": (np.int8, ("N",)),
-    "rank": (np.int16, ("N",)),
-    "step_logprob": (np.float32, ("N",)),
-    "cum_logprob": (np.float32, ("N",)),
-    "valid": (np.bool_, ("N",)),
-    "entropy": (np.float32, ("H",)),
-    "margin": (np.float32, ("H",)),
-    "topk_mass": (np.float32, ("H",)),
-    "hidden": (np.float16, ("H", "D")),
-    "p_star": (np.float32, ("N",)),
-    "p_other": (np.float32, ("S",)),
-    "reach_star": (np.float32, ("N",)),
-    "target_argmax": (np.int32, ("S",)),
-}
+# The trace schema. What the scorer reads is the `ScorerInputs` pytree, flattened by path: each leaf is
+# named by its field without the pool prefix and the shape suffix (pool.token_BN -> "token",
+# hidden_BHD -> "hidden"), and the suffix after B gives its per-row axes (N nodes, S = N + 1 parent
+# slots, H depths, D drafter width). The labels and the row's bookkeeping are the other fields.
+# Only the on-disk storage dtypes are chosen here (ids in the smallest int type, hidden states in float16).
+STORAGE = {"parent": np.int16, "token": np.int32, "depth": np.int8, "rank": np.int16, "step_logprob": np.float32,
+           "cum_logprob": np.float32, "valid": np.bool_, "entropy": np.float32, "margin": np.float32,
+           "topk_mass": np.float32, "hidden": np.float16, "root_token": np.int32}
+LABELS = {"p_star": (np.float32, ("N",)), "p_other": (np.float32, ("S",)), "reach_star": (np.float32, ("N",)),
+          "target_argmax": (np.int32, ("S",))}
+BOOKKEEPING = {"prompt_id": (np.int32, ()), "round": (np.int32, ()), "length": (np.int32, ())}
+
+
+def _leaf_name(field: str) -> tuple[str, tuple[str, ...]]:
+    """("token", ("N",)) of "token_BN": the trace name and the per-row axes of a ScorerInputs leaf."""
+    name, _, axes = field.rpartition("_")
+    return name, tuple(axes[1:])  # drop the batch axis B
+
+
+def _input_fields(cls=ScorerInputs) -> list[tuple[str, str, tuple[str, ...]]]:
+    """[(trace name, attribute path, axes)] of the ScorerInputs pytree (static fields such as width skipped)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("pytree_node", True):
+            continue
+        if f.name == "pool":
+            out += [(n, f"pool.{attr}", axes) for n, attr, axes in _input_fields(Pool)]
+        else:
+            out.append((*_leaf_name(f.name)[:1], f.name, _leaf_name(f.name)[1]))
+    return out
+
+
+INPUT_FIELDS = _input_fields()
+assert {n for n, _, _ in INPUT_FIELDS} == set(STORAGE), "STORAGE must name every ScorerInputs leaf"
+# name -> (on-disk dtype, per-row axes): the inputs, then the labels and bookkeeping.
+FIELDS = {name: (STORAGE[name], axes) for name, _, axes in INPUT_FIELDS}
+FIELDS.update(LABELS)
+FIELDS.update(BOOKKEEPING)
+
+
+def flatten_inputs(inputs: ScorerInputs) -> dict:
+    """{trace name: [B, ...] array} of a round's ScorerInputs."""
+    return {name: functools.reduce(getattr, attr.split("."), inputs) for name, attr, _ in INPUT_FIELDS}
+
+
+def unflatten_inputs(rows: dict, width: int) -> ScorerInputs:
+    """The ScorerInputs of a batch of trace rows (ids as int32, the rest float32, `valid` as bool)."""
+    def cast(name):
+        dtype = np.dtype(FIELDS[name][0])
+        x = jnp.asarray(rows[name])
+        return x.astype(bool if dtype == np.bool_ else jnp.int32 if dtype.kind in "iu" else jnp.float32)
+
+    pool = {attr.removeprefix("pool."): cast(n) for n, attr, _ in INPUT_FIELDS if attr.startswith("pool.")}
+    rest = {attr: cast(n) for n, attr, _ in INPUT_FIELDS if not attr.startswith("pool.")}
+    return ScorerInputs(pool=Pool(**pool, width=width), **rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,22 +220,8 @@ def trace_round(target_graphdef, target_params, drafter_graphdef, drafter_params
     new, acc = verify_stage(target, drafter, s, dcache, tree, spec)
     a_B = acc.num_accepted_B
     record = {
-        "running": running_B,
-        "accepted": a_B,
-        "round": s.rounds_B,
-        "length": length_B,
-        "root_token": s.bonus_B,
-        "token": pool.token_BN,
-        "parent": pool.parent_BN,
-        "depth": pool.depth_BN,
-        "rank": pool.rank_BN,
-        "step_logprob": pool.step_logprob_BN,
-        "cum_logprob": pool.cum_logprob_BN,
-        "valid": pool.valid_BN,
-        "entropy": lattice.entropy_BH,
-        "margin": lattice.margin_BH,
-        "topk_mass": lattice.topk_mass_BH,
-        "hidden": hidden_BHD.astype(jnp.float16),
+        "running": running_B, "accepted": a_B, "round": s.rounds_B, "length": length_B,
+        **flatten_inputs(ScorerInputs.from_round(lattice, pool, hidden_BHD.astype(jnp.float16), s.bonus_B)),
         **labels,
     }
     return new, record
