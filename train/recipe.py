@@ -31,7 +31,7 @@ STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assembl
 # (training dir under WORK, labels): the set's scorer/ serves sampled decoding,
 # scorer_greedy/ greedy decoding (their acceptance rules differ).
 SCORERS = (("scorer_train", "sampled"), ("scorer_greedy_train", "greedy"))
-SCORER_FLAGS = ("--residual",)
+SCORER_SETTINGS = {"residual": True}
 
 
 def _done(path: Path, name: str) -> bool:
@@ -50,22 +50,40 @@ def _check(code: int, name: str) -> None:
 def stage_commands(name: str, args) -> list[tuple[str, list[str]]]:
     """The training commands a stage runs: [(module under train/, argv)] (dry run prints them)."""
     work, preset = args.work, args.preset
-    target_dir, drafter_dir = work / "target_train" / "export", work / "drafter_train" / "export"
+    target_dir = work / "target_train" / "export"
     if name == "target":
         return [("target", ["--out", str(work / "target_train"), "--preset", preset, "--tokenizer",
                             str(work / "tokenizer"), "--tokens", str(work / "tokens"), "--resume"])]
     if name == "drafter":
         return [("distill", ["--target", str(target_dir), "--out", str(work / "drafter_train"),
                              "--preset", preset, "--corpus", str(corpus.stdlib_root()), "--resume"])]
-    if name == "traces":
-        return [("traces", ["--target", str(target_dir), "--drafter", str(drafter_dir),
-                            "--prompts", str(work / "prompts_traces.jsonl"), "--out", str(work / "traces"),
-                            "--max-new-tokens", str(args.trace_tokens)])]
-    if name == "scorer":
-        steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
-        return [("scorer", ["--traces", str(work / "traces"), "--target", str(target_dir), "--out", str(work / out),
-                            "--labels", labels, *SCORER_FLAGS, "--resume", *steps]) for out, labels in SCORERS]
     return []
+
+
+def stage_configs(name: str, args) -> list:
+    """The typed run configs of the stages that take one (traces, scorer): what `run(config)` is called with."""
+    from train import scorer, traces
+
+    work = args.work
+    target_dir, drafter_dir = work / "target_train" / "export", work / "drafter_train" / "export"
+    if name == "traces":
+        return [traces.TracesRun(target=target_dir, drafter=drafter_dir, prompts=work / "prompts_traces.jsonl",
+                                 out=work / "traces", trace=traces.TraceConfig(max_new_tokens=args.trace_tokens))]
+    if name == "scorer":
+        steps = {"steps": args.scorer_steps} if args.scorer_steps else {}
+        return [scorer.ScorerRun(traces=work / "traces", target=target_dir, out=work / out, resume=True,
+                                 train=scorer.ScorerTrainConfig(labels=labels, **SCORER_SETTINGS, **steps))
+                for out, labels in SCORERS]
+    return []
+
+
+def _run(module, config, name: str):
+    try:
+        return module.run(config)
+    except ValueError as e:
+        raise SystemExit(f"[recipe] stage {name} failed: {e}; fix it and rerun to resume") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"[recipe] stage {name} interrupted; rerun the same command to resume") from None
 
 
 def dry_run(name: str, args) -> None:
@@ -73,7 +91,9 @@ def dry_run(name: str, args) -> None:
     import importlib
 
     commands = stage_commands(name, args)
-    if not commands:
+    for config in stage_configs(name, args):
+        print(f"[recipe] {name}: run({config})")
+    if not commands and not stage_configs(name, args):
         print(f"[recipe] {name}: (no training command; see the module docstring)")
     for module, argv in commands:
         print(f"[recipe] {name}: python -m train.{module} {' '.join(argv)}")
@@ -120,14 +140,14 @@ def run_stage(name: str, args) -> None:
                 # memorised, not as it drafts on new code: the scorer must learn the latter.
                 corpus.write_prompts_jsonl(prompts, corpus.build_prompts(
                     "train", n=args.trace_prompts, exclude=distill.distillation_prompt_texts(preset)))
-            (_, argv), = stage_commands(name, args)
-            _check(traces.main(argv), name)
+            config, = stage_configs(name, args)
+            _run(traces, config, name)
             (work / "traces" / "DONE").write_text("complete\n")
     elif name == "scorer":
-        for (_, argv), (out, labels) in zip(stage_commands(name, args), SCORERS):
+        for config, (out, labels) in zip(stage_configs(name, args), SCORERS):
             if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
                 from train import scorer
-                _check(scorer.main(argv), name)
+                _run(scorer, config, name)
     elif name == "assemble":
         scorers = {out.removesuffix("_train"): work / out / "scorer" for out, _ in SCORERS}
         assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl")

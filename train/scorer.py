@@ -361,6 +361,24 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
     return summary
 
 
+@dataclasses.dataclass(frozen=True)
+class ScorerRun:
+    """One scorer training: the traces, the target they were collected with, where to write, the settings."""
+
+    traces: Path
+    target: Path
+    out: Path
+    train: ScorerTrainConfig = ScorerTrainConfig()
+    resume: bool = False
+
+
+def run(config: ScorerRun, mesh=None, progress: bool = True) -> dict:
+    """Train and export the scorer of `config` (see `train_scorer`). Returns the summary."""
+    check_output_path(config.out, directory=True)  # before any work
+    return train_scorer(config.traces, config.target, config.out, config.train, resume=config.resume,
+                        progress=progress, mesh=mesh)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.scorer", description="Train the TAPS scorer on traces from `python -m train.traces`.")
     p.add_argument("--traces", type=Path, required=True, help="trace dir (meta.json + shards)")
@@ -373,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output_path(args.out, directory=True)  # before any work
         mesh = sharding.setup_mesh(args)
-        config = build(ScorerTrainConfig, None, args)
-        s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume, mesh=mesh)
+        s = run(ScorerRun(args.traces, args.target, args.out, build(ScorerTrainConfig, None, args), args.resume),
+                mesh=mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

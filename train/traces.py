@@ -449,6 +449,58 @@ def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceCo
     return meta
 
 
+@dataclasses.dataclass(frozen=True)
+class TracesRun:
+    """One trace collection: the models, the prompts (a file, or a corpus), where to write, and the settings."""
+
+    target: Path
+    drafter: Path
+    out: Path
+    prompts: Path | None = None
+    corpus: Path | None = None
+    num_prompts: int = 256  # with corpus
+    distill_prompts: tuple[Path, ...] = ()  # prompt files the drafter was distilled on (refused)
+    trace: TraceConfig = TraceConfig()
+    batch_size: int = 8
+    shard_rows: int = 4096
+    dtype: str = "float32"
+    stop_at_eos: bool = True
+
+
+def run(config: TracesRun, progress: bool = True) -> dict:
+    """Collect the traces of `config` (see `collect`); refusals come before any model loads where they can."""
+    from taps_jax.decoder import load_drafter
+
+    check_output_path(config.out, directory=True)  # before any work
+    if (config.prompts is None) == (config.corpus is None):
+        raise ValueError("give the trace prompts with --prompts FILE.jsonl or --corpus DIR (one of them)")
+    if config.corpus is not None and not Path(config.corpus).is_dir():
+        raise ValueError(f"--corpus {config.corpus} is not a directory; give a tree of .py files")
+    prompts = [r.prompt for r in read_prompt_file(config.prompts)] if config.prompts else None
+    distill_files = [[e.prompt for e in data.read_examples(f)] for f in config.distill_prompts]
+    target = load_target(config.target, config.dtype)
+    drafter = load_drafter(config.drafter, config.dtype)
+    vocab = target.config.vocab_size
+    distilled = data.read_prompt_digests(config.drafter)
+    for f, texts in zip(config.distill_prompts, distill_files):
+        distilled |= {data.prompt_digest(data.encode(t, target.tokenizer, vocab, str(f))) for t in texts}
+    if prompts is not None:
+        data.check_disjoint(encode_prompts(prompts, target.tokenizer, vocab), distilled, str(config.prompts))
+        source = str(config.prompts)
+    else:
+        from train.corpus import build_prompts
+
+        texts = [p["prompt"] for p in build_prompts("train", n=None, root=config.corpus)]
+        prompts = [t for t, ids in zip(texts, target.encode(texts))
+                   if data.prompt_digest(ids) not in distilled][: config.num_prompts]
+        if len(prompts) < config.num_prompts:
+            raise ValueError(f"--corpus {config.corpus} has only {len(prompts)} train-split prompts the drafter was "
+                             f"not distilled on; lower --num-prompts")
+        source = f"{config.corpus} (train split, {len(prompts)} prompts)"
+    return collect(target, drafter, prompts, config.out, config.trace, batch_size=config.batch_size,
+                   shard_rows=config.shard_rows, stop_at_eos=config.stop_at_eos, progress=progress, source=source)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.traces",
                                 description="Collect TAPS scorer traces: target labels on large draft pools.")
@@ -470,38 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-eos", action="store_true", help="do not stop sequences at EOS")
     args = p.parse_args(argv)
     try:
-        from taps_jax.decoder import load_drafter
-
-        check_output_path(args.out, directory=True)  # before any work
-
-        config = build(TraceConfig, None, args)
-        if (args.prompts is None) == (args.corpus is None):
-            raise ValueError("give the trace prompts with --prompts FILE.jsonl or --corpus DIR (one of them)")
-        if args.corpus is not None and not args.corpus.is_dir():
-            raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
-        prompts = [r.prompt for r in read_prompt_file(args.prompts)] if args.prompts else None
-        distill_files = [[e.prompt for e in data.read_examples(f)] for f in args.distill_prompts]
-        target = load_target(args.target, args.dtype)
-        drafter = load_drafter(args.drafter, args.dtype)
-        vocab = target.config.vocab_size
-        distilled = data.read_prompt_digests(args.drafter)
-        for f, texts in zip(args.distill_prompts, distill_files):
-            distilled |= {data.prompt_digest(data.encode(t, target.tokenizer, vocab, str(f))) for t in texts}
-        if prompts is not None:
-            data.check_disjoint(encode_prompts(prompts, target.tokenizer, vocab), distilled, str(args.prompts))
-            source = str(args.prompts)
-        else:
-            from train.corpus import build_prompts
-
-            texts = [p["prompt"] for p in build_prompts("train", n=None, root=args.corpus)]
-            prompts = [t for t, ids in zip(texts, target.encode(texts))
-                       if data.prompt_digest(ids) not in distilled][: args.num_prompts]
-            if len(prompts) < args.num_prompts:
-                raise ValueError(f"--corpus {args.corpus} has only {len(prompts)} train-split prompts the drafter was "
-                                 f"not distilled on; lower --num-prompts")
-            source = f"{args.corpus} (train split, {len(prompts)} prompts)"
-        meta = collect(target, drafter, prompts, args.out, config, batch_size=args.batch_size,
-                       shard_rows=args.shard_rows, stop_at_eos=not args.no_eos, source=source)
+        meta = run(TracesRun(
+            target=args.target, drafter=args.drafter, out=args.out, prompts=args.prompts, corpus=args.corpus,
+            num_prompts=args.num_prompts, distill_prompts=tuple(args.distill_prompts),
+            trace=build(TraceConfig, None, args), batch_size=args.batch_size, shard_rows=args.shard_rows,
+            dtype=args.dtype, stop_at_eos=not args.no_eos))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
