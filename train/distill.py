@@ -269,7 +269,7 @@ def distillation_prompt_texts(preset: str) -> set[str]:
 
 
 @dataclasses.dataclass
-class DistillRun:
+class DistillSetup:
     drafter_graphdef: object
     optimizer: optax.GradientTransformation
     train_step: object
@@ -280,7 +280,7 @@ class DistillRun:
 
 
 def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: DistillConfig,
-          optim: loop.OptimConfig, mesh=None) -> DistillRun:
+          optim: loop.OptimConfig, mesh=None) -> DistillSetup:
     """Everything `distill` needs, exposed for benchmarks and tests.
 
     mesh: the drafter's params and optimizer state are sharded by the rules
@@ -298,7 +298,7 @@ def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: Disti
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
                             config.anchor_region, config.seed)
-    return DistillRun(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
+    return DistillSetup(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
                       loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
 
@@ -394,18 +394,34 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+@dataclasses.dataclass(frozen=True)
+class DistillRun:
+    """One distillation run: the target, your data, where to write, and the settings (`DistillSettings`)."""
+
+    target: Path
+    out: Path
+    settings: DistillSettings = DistillSettings()
+    prompts: Path | None = None  # your prompts JSONL ...
+    val_prompts: Path | None = None
+    corpus: Path | None = None  # ... or a tree of .py files
+    preset: str = "default"  # the preset's name, recorded in the checkpoints
+    resume: bool = False
+    export_only: bool = False
+    bench: int = 0  # time N steps and exit
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_output_path(args.out, directory=True)  # before any work
-        return _main(args)
+        config = DistillRun(target=args.target, out=args.out, settings=load_preset(args.preset, args),
+                            prompts=args.prompts, val_prompts=args.val_prompts, corpus=args.corpus,
+                            preset=args.preset, resume=args.resume, export_only=args.export_only, bench=args.bench)
+        run(config, sharding.setup_mesh(args))
+        return 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _settings(args) -> DistillSettings:
-    return load_preset(args.preset, args)
 
 
 def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]]:
@@ -436,14 +452,16 @@ def _export(out: Path, graphdef, params) -> Path:
     return path
 
 
-def _main(args) -> int:
-    s = _settings(args)
+def run(config: DistillRun, mesh=None) -> Path | None:
+    """Distil (or export, or bench) as `config` says; returns the exported drafter dir (None after --bench)."""
+    args = config  # the run config carries the same names as the CLI flags
+    check_output_path(args.out, directory=True)  # before any work
+    s = config.settings
     d, data, config = s.drafter, s.data, s.train
     optim = s.optim.optim(config.steps)
     train_ex = val_ex = None
     if not (args.bench or args.export_only):
         train_ex, val_ex = read_data(args, data, config.seed)  # bad data is refused before the target loads
-    mesh = sharding.setup_mesh(args)
     target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
     V = target.config.vocab_size
     pairs = val_pairs = []
@@ -469,7 +487,8 @@ def _main(args) -> int:
           f"draft tokens/step; {optim}", flush=True)
 
     if args.bench:
-        return bench(target, drafter, config, optim, data.gen_tokens, args.bench, mesh=mesh)
+        bench(target, drafter, config, optim, data.gen_tokens, args.bench, mesh=mesh)
+        return None
 
     if args.export_only:
         graphdef, params = nnx.split(drafter)
@@ -486,7 +505,7 @@ def _main(args) -> int:
         ckpt.close()
         out = _export(args.out, graphdef, final)
         print(f"exported the {info} params to {out}", flush=True)
-        return 0
+        return out
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_prompt_digests(args.out, [p for p, _ in pairs + val_pairs])
@@ -531,7 +550,7 @@ def _main(args) -> int:
     out = _export(args.out, graphdef, final)
     which = f"best validation (step {result.best_step})" if result.best_params is not None else "final"
     print(f"exported the {which} drafter to {out}", flush=True)
-    return 0
+    return out
 
 
 def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.OptimConfig,

@@ -14,12 +14,17 @@ own checkpoints when interrupted (rerun the same command):
   scorer     TAPS scorers: temperature-1 and greedy labels -> WORK/scorer_train/, WORK/scorer_greedy_train/
   assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer,scorer_greedy}/
   report     taps-bench at T=0 and T=1 + final losses        -> ASSETS/report.json, report.png, report_t1.png
+
+Each training stage is its module's `run(config)` with a typed config
+(`stage_configs`: TargetRun, DistillRun, TracesRun, ScorerRun); `--dry-run`
+prints those configs, resolved presets included, and runs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import shutil
 import sys
@@ -47,25 +52,20 @@ def _check(code: int, name: str) -> None:
         raise SystemExit(f"[recipe] stage {name} failed with exit status {code}; fix it and rerun to resume")
 
 
-def stage_commands(name: str, args) -> list[tuple[str, list[str]]]:
-    """The training commands a stage runs: [(module under train/, argv)] (dry run prints them)."""
-    work, preset = args.work, args.preset
-    target_dir = work / "target_train" / "export"
-    if name == "target":
-        return [("target", ["--out", str(work / "target_train"), "--preset", preset, "--tokenizer",
-                            str(work / "tokenizer"), "--tokens", str(work / "tokens"), "--resume"])]
-    if name == "drafter":
-        return [("distill", ["--target", str(target_dir), "--out", str(work / "drafter_train"),
-                             "--preset", preset, "--corpus", str(corpus.stdlib_root()), "--resume"])]
-    return []
-
-
 def stage_configs(name: str, args) -> list:
-    """The typed run configs of the stages that take one (traces, scorer): what `run(config)` is called with."""
-    from train import scorer, traces
+    """The typed run configs of the training stages: what each stage's `run(config)` is called with."""
+    from train import distill, scorer, target, traces
 
     work = args.work
     target_dir, drafter_dir = work / "target_train" / "export", work / "drafter_train" / "export"
+    if name == "target":  # the corpus: the recipe's --corpus (root_override) or the stdlib
+        return [target.TargetRun(out=work / "target_train", settings=target.load_preset(args.preset),
+                                 tokenizer=work / "tokenizer", tokens=work / "tokens", preset=args.preset,
+                                 resume=True)]
+    if name == "drafter":
+        return [distill.DistillRun(target=target_dir, out=work / "drafter_train",
+                                   settings=distill.load_preset(args.preset), corpus=corpus.stdlib_root(),
+                                   preset=args.preset, resume=True)]
     if name == "traces":
         return [traces.TracesRun(target=target_dir, drafter=drafter_dir, prompts=work / "prompts_traces.jsonl",
                                  out=work / "traces", trace=traces.TraceConfig(max_new_tokens=args.trace_tokens))]
@@ -87,22 +87,12 @@ def _run(module, config, name: str):
 
 
 def dry_run(name: str, args) -> None:
-    """Print what a stage would run, with the resolved preset of the target and drafter stages."""
-    import importlib
-
-    commands = stage_commands(name, args)
-    for config in stage_configs(name, args):
+    """Print what a stage would run: its run config (the resolved preset included), or what it builds."""
+    configs = stage_configs(name, args)
+    for config in configs:
         print(f"[recipe] {name}: run({config})")
-    if not commands and not stage_configs(name, args):
-        print(f"[recipe] {name}: (no training command; see the module docstring)")
-    for module, argv in commands:
-        print(f"[recipe] {name}: python -m train.{module} {' '.join(argv)}")
-        if module == "distill":
-            settings = importlib.import_module("train.distill")._settings(
-                importlib.import_module("train.distill").parse_args(argv))
-            print(settings)
-        elif module == "target":
-            print(json.dumps(importlib.import_module("train.target").load_preset(args.preset), indent=1))
+    if not configs:
+        print(f"[recipe] {name}: (no training run; see the module docstring)")
 
 
 def run_stage(name: str, args) -> None:
@@ -122,15 +112,15 @@ def run_stage(name: str, args) -> None:
     elif name == "target":
         if not _done(target_dir / "config.json", name):
             from train import target
-            (_, argv), = stage_commands(name, args)
-            _check(target.main(argv), name)
+            config, = stage_configs(name, args)
+            _run(target, config, name)
             if not (target_dir / "config.json").exists():
-                _check(target.main([a for a in argv if a != "--resume"] + ["--export-only"]), name)
+                _run(target, dataclasses.replace(config, resume=False, export_only=True), name)
     elif name == "drafter":
         if not _done(drafter_dir / "config.json", name):
             from train import distill
-            (_, argv), = stage_commands(name, args)
-            _check(distill.main(argv), name)
+            config, = stage_configs(name, args)
+            _run(distill, config, name)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
             from train import distill, traces

@@ -56,7 +56,7 @@ from train.packing import PackedBatches, eval_batches, load_tokens
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetRun:
+class TargetTrain:
     """The preset's "train" section."""
 
     batch_size: int = option(16, "windows per step")
@@ -76,7 +76,7 @@ class TargetSettings:
 
     model: dict = dataclasses.field(default_factory=dict)
     optim: loop.OptimConfig = loop.OptimConfig()
-    train: TargetRun = TargetRun()
+    train: TargetTrain = TargetTrain()
 
 
 def load_preset(name_or_path: str, args=None) -> TargetSettings:
@@ -97,7 +97,7 @@ def lm_loss_fn(graphdef):
     return loss_fn
 
 
-def configs(settings: TargetSettings, vocab_size: int) -> tuple[ModelConfig, loop.OptimConfig, TargetRun]:
+def configs(settings: TargetSettings, vocab_size: int) -> tuple[ModelConfig, loop.OptimConfig, TargetTrain]:
     """(ModelConfig, OptimConfig spanning the run's steps, run settings) of a preset."""
     model_cfg = ModelConfig(**{"family": "qwen3", **settings.model, "vocab_size": vocab_size})
     tr = settings.train
@@ -151,10 +151,35 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         check_output_path(args.out, directory=True)  # before any work
-        return _main(args)
+        config = TargetRun(out=args.out, settings=load_preset(args.preset, args), tokenizer=args.tokenizer,
+                           tokens=args.tokens, corpus=args.corpus, prompts=args.prompts, val_prompts=args.val_prompts,
+                           val_fraction=args.val_fraction, preset=args.preset, resume=args.resume,
+                           export_only=args.export_only, bench=args.bench)
+        run(config, sharding.setup_mesh(args))
+        return 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRun:
+    """One pretraining run: where to write, the settings (`TargetSettings`), the tokenizer and the data."""
+
+    out: Path
+    settings: TargetSettings = TargetSettings()
+    tokenizer: Path = Path("runs/default/tokenizer")
+    tokens: Path = Path("runs/default/tokens")  # token cache of the corpus
+    corpus: Path | None = None  # None: $TAPS_CORPUS_ROOT or this interpreter's stdlib
+    prompts: Path | None = None  # documents instead of a corpus
+    val_prompts: Path | None = None
+    val_fraction: float = 0.05
+    preset: str = "default"  # the preset's name, recorded in the checkpoints
+    resume: bool = False
+    export_only: bool = False
+    bench: int = 0  # time N steps and exit
 
 
 def document_stream(examples, tokenizer, vocab: int, eos_id: int, source: str) -> np.ndarray:
@@ -184,12 +209,14 @@ def read_documents(args, tokenizer_file: Path, vocab: int):
             document_stream(val, tok, vocab, tokenizer_lib.EOS_ID, str(args.val_prompts or args.prompts)))
 
 
-def _main(args) -> int:
-    mesh = sharding.setup_mesh(args)
+def run(config: TargetRun, mesh=None) -> Path | None:
+    """Pretrain (or export, or bench) as `config` says; returns the exported model dir (None after bench)."""
+    args = config  # the run config carries the same names as the CLI flags
+    check_output_path(args.out, directory=True)  # before any work
     tokenizer_file = args.tokenizer / tokenizer_lib.TOKENIZER_FILE if args.tokenizer.is_dir() else args.tokenizer
     vocab = tokenizer_lib.load_tokenizer(tokenizer_file).get_vocab_size()
     documents = read_documents(args, tokenizer_file, vocab)
-    model_cfg, optim_cfg, tr = configs(load_preset(args.preset, args), vocab)
+    model_cfg, optim_cfg, tr = configs(config.settings, vocab)
     B, T = tr.batch_size, tr.seq_len
     sharding.check_config(model_cfg, mesh, "target")
     if B % sharding.data_size(mesh):
@@ -228,7 +255,7 @@ def _main(args) -> int:
         ckpt.close()
         out = export(args.out / "export", nnx.merge(graphdef, final), tokenizer_file)
         print(f"exported the {info} params to {out}", flush=True)
-        return 0
+        return out
 
     if args.bench:
         t = time.perf_counter()
@@ -244,7 +271,7 @@ def _main(args) -> int:
               f"heads {model_cfg.num_heads}/{model_cfg.num_kv_heads} B{B} T{T}: params {n_params:,}  "
               f"{dt / args.bench:.3f} s/step  {args.bench * B * T / dt:,.0f} tok/s  "
               f"{args.bench * B * T / cpu:,.0f} tok per CPU-s  loss {float(m['loss']):.3f}")
-        return 0
+        return None
 
     val = eval_batches(val_tokens, B, T, max_batches=tr.eval_batches)
     # Host arrays on a mesh (split over "data" by make_eval_fn), device arrays on one device.
@@ -262,16 +289,13 @@ def _main(args) -> int:
         total_steps=tr.steps, tokens_per_step=B * T, log_every=tr.log_every, eval_every=tr.eval_every,
         checkpoint_every_s=tr.checkpoint_every_s, keep=tr.keep,
     )
-    try:
-        result = loop.run(cfg, state, train_step, batches.batch_at, args.out, evaluate=evaluate, resume=args.resume,
-                          meta={"preset": args.preset}, optim=optim_cfg, desc="target", mesh=mesh)
-    except KeyboardInterrupt:
-        return 130
+    result = loop.run(cfg, state, train_step, batches.batch_at, args.out, evaluate=evaluate, resume=args.resume,
+                      meta={"preset": args.preset}, optim=optim_cfg, desc="target", mesh=mesh)
     final = result.best_params if result.best_params is not None else result.state.params
     which = f"best validation (step {result.best_step}, loss {result.best_val:.4f})" if result.best_params is not None else "final"
     out = export(args.out / "export", nnx.merge(graphdef, final), tokenizer_file)
     print(f"exported the {which} params to {out}", flush=True)
-    return 0
+    return out
 
 
 if __name__ == "__main__":
