@@ -264,8 +264,8 @@ def write_prompts_jsonl(path: str | Path, prompts: list[dict]) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.corpus", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=Path, help="write a heldout prompt set here (.jsonl)")
-    parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n", type=int, default=200, help="how many heldout prompts")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the prompts")
     args = parser.parse_args(argv)
 
     print(f"stdlib: {stdlib_root()}")
