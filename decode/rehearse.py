@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from decode.common import Parser, positive_int
 from decode import roofline
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "published"
+CONFIG_DIR = Path(__file__).resolve().parent / "published"
 TARGETS = {"qwen3-4b": "qwen3-4b.json", "qwen3-8b": "qwen3-8b.json", "llama3-8b": "llama3-8b.json"}
 DRAFTERS = {"dflash-b16": "dflash-b16.json"}
 DEFAULT_SET = Path(__file__).resolve().parent.parent / "taps_jax" / "assets" / "default"

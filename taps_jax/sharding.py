@@ -69,7 +69,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -459,68 +459,17 @@ def load_module(abstract, path, prefix_of: Callable[[tuple], str], source: str, 
                 ignore: Callable[[str], bool] = lambda name: False):
     """Fill an abstract (eval_shape'd) module from HF-named safetensors, sharded over `mesh`.
 
-    Like `taps_jax.checkpoints.tensors.load_module` (same names, same
-    checks), but each parameter is built with `jax.make_array_from_callback`:
-    only the slices held by this host's devices are read from disk, and the
-    full unsharded tensor never sits on one device.
+    The shared reader `taps_jax.checkpoints.tensors.load_weights` with this
+    module's parameter shardings: only the slices held by this host's devices
+    are read from disk, and the full unsharded tensor never sits on one device.
     """
-    from flax import nnx
-    from safetensors import safe_open
+    from taps_jax.checkpoints.tensors import load_weights
 
-    from taps_jax.checkpoints.tensors import hf_name, safetensor_files
-
-    path = Path(path)
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))  # this process's CPU
-        where: dict[str, Any] = {}
-        for file in safetensor_files(path):
-            try:
-                handle = stack.enter_context(safe_open(str(file), framework="flax"))
-            except Exception as e:  # truncated or not a safetensors file
-                raise ValueError(f"{file}: cannot read safetensors file ({e}); re-export or re-download it") from e
-            for name in handle.keys():
-                where[name] = handle
-        missing, used, plan = [], set(), []
-        for p, var in flat:
-            name, transpose = hf_name(p, prefix_of(p))
-            want = tuple(var.get_value().shape)
-            if name not in where:
-                missing.append(f"{name!r} (shape {want[::-1] if transpose else want})")
-                continue
-            got = tuple(where[name].get_slice(name).get_shape())
-            expected = want[::-1] if transpose else want
-            if got != expected:
-                raise ValueError(f"{source}: tensor {name!r} has shape {got}, the config expects {expected}")
-            used.add(name)
-            plan.append((p, var, name, transpose))
-        extra = sorted(n for n in where if n not in used and not ignore(n))
-        if missing:
-            stray = f"; the checkpoint has unmatched tensors: {', '.join(extra[:5])}" if extra else ""
-            raise ValueError(f"{source}: missing tensor {missing[0]}"
-                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + stray)
-        if extra:
-            raise ValueError(f"{source}: {len(extra)} tensors match no parameter of this architecture: "
-                             + ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""))
-        for p, var, name, transpose in plan:
-            shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
-            replicate_kv = kv_replicas(abstract.config, mesh) > 1  # repeated after loading
-            sharding = NamedSharding(mesh, load_spec(".".join(str(k) for k in p), shape, mesh, replicate_kv))
-            tensor = where[name].get_slice(name)
-            read: dict[tuple, np.ndarray] = {}  # replicated slices are read once, not once per device
-
-            def block(index, tensor=tensor, transpose=transpose, dtype=dtype, shape=shape, read=read):
-                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-                key = tuple(s.indices(n) for s, n in zip(index, shape))
-                if key not in read:
-                    hf_index = index[::-1] if transpose else index
-                    value = np.asarray(tensor[hf_index] if hf_index else tensor[:])
-                    read[key] = np.asarray(value.T if transpose else value, dtype=dtype)
-                return read[key]
-
-            var.set_value(jax.make_array_from_callback(shape, sharding, block))
-    return replicate_kv_heads(nnx.merge(graphdef, nnx.from_flat_state(flat)), mesh)
+    replicate_kv = kv_replicas(abstract.config, mesh) > 1  # k/v read whole, then repeated
+    module = load_weights(abstract, Path(path), prefix_of, source, ignore,
+                          sharding_of=lambda name, shape: NamedSharding(mesh, load_spec(name, shape, mesh,
+                                                                                        replicate_kv)))
+    return replicate_kv_heads(module, mesh)
 
 
 # --------------------------------------------------------------------------- multi-host

@@ -40,7 +40,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     defs = [p.splitlines()[0].strip() for p in traced]
     assert defs and all(d in small for d in defs)  # the prompts come from --corpus, not the whole stdlib
     # The scorer's traces come from prompts the drafter was not distilled on.
-    distilled = {p["prompt"] for p in corpus.build_prompts("train", n=16, seed=0)}  # configs/drafter_tiny.json
+    distilled = {p["prompt"] for p in corpus.build_prompts("train", n=16, seed=0)}  # train/presets/drafter_tiny.json
     assert distilled and not distilled & set(traced)
     models = load_model_set(assets)
     assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None

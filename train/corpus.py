@@ -16,9 +16,9 @@ Splitting by file (not by line or window) means no training window ever
 contains text from a heldout file. Near-duplicates across files
 (e.g. `lib2to3/tests/data/*` vs `lib2to3/*`) can still cross splits.
 
-Another tree of Python code can stand in for the stdlib: set
-TAPS_CORPUS_ROOT=DIR (or pass `--corpus DIR` to `python -m train.recipe`); the
-same hash splits its files.
+Another tree of Python code can stand in for the stdlib: pass `--corpus DIR`
+to `python -m train.target / train.distill / train.traces / train.recipe`
+(or set TAPS_CORPUS_ROOT=DIR); the same hash splits its files.
 
 Files that are not valid UTF-8 (a few deliberately mis-encoded test inputs)
 are skipped and counted, never decoded with replacement characters.
@@ -39,7 +39,7 @@ import os
 import random
 import re
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -222,7 +222,7 @@ def _function_prompts(f: SourceFile, text: str, config: PromptConfig) -> list[di
 
 def build_prompts(
         split: Split = "heldout",
-        n: int = 200,
+        n: int | None = 200,
         seed: int = 0,
         config: PromptConfig = PromptConfig(),
         root: Path | None = None,
@@ -233,7 +233,7 @@ def build_prompts(
     Each dict has "prompt" plus provenance ("file", "lineno", "indent") so tests
     and reports can point back at the source. Duplicate prompt texts (trivial
     `__init__`s etc.) are kept once. The sample is in random (seeded) order, so
-    any prefix of the list is itself a random subset. Prompt texts in `exclude`
+    any prefix of the list is itself a random subset (n=None: the whole split). Prompt texts in `exclude`
     are never drawn (e.g. the drafter's distillation prompts, when sampling
     prompts to measure it on).
     """
@@ -243,6 +243,8 @@ def build_prompts(
             candidates.setdefault(p["prompt"], p)
     exclude = set(exclude)
     pool = [p for p in candidates.values() if p["prompt"] not in exclude]  # (file, lineno) order: deterministic
+    if n is None:  # all of them, shuffled
+        n = len(pool)
     if n > len(pool):
         left = f" after excluding {len(candidates) - len(pool)}" if exclude else ""
         raise ValueError(f"Asked for {n} prompts but split {split!r} only has {len(pool)}{left}; lower n.")
@@ -260,10 +262,10 @@ def write_prompts_jsonl(path: str | Path, prompts: list[dict]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m train.corpus", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=Path, help="write a heldout prompt set here (.jsonl)")
-    parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n", type=int, default=200, help="how many heldout prompts")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the prompts")
     args = parser.parse_args(argv)
 
     print(f"stdlib: {stdlib_root()}")

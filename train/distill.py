@@ -1,12 +1,17 @@
 """Distil a DFlash block-diffusion drafter from a frozen target (DESIGN section 4).
 
-    python -m train.distill --target runs/default/target_train/export --out runs/default/drafter_train
-        [--preset default] [--num-sequences N] [--gen-tokens T] [--layers L] [--block-size 16]
+    python -m train.distill --target DIR --out DIR (--prompts FILE.jsonl [--val-prompts FILE.jsonl] | --corpus DIR)
+        [--preset default|tiny|FILE] [--mask-token-id ID] [--gen-tokens T] [--layers L] [--block-size 16]
         [--steps N] [--batch-size B] [--anchors-per-seq A] [--resume] [--export-only] [--bench N]
 
-Pipeline
+Every setting is a field of `DistillSettings` (drafter / data / optim /
+train sections): a preset file's sections, overridden by flags.
+
+Pipeline (data: train/distill_data.py, objective and metrics:
+train/distill_objective.py; settings, the run, the CLI and --bench: here)
 --------
-1. Data: function-signature prompts from the corpus TRAIN split, continued by
+1. Data: your prompts (--prompts, train.data), or function-signature prompts
+   from a corpus TRAIN split (--corpus: the embedded recipe), continued by
    the target's own batched AR generator (`Target.generate`). A fraction
    (`--greedy-fraction`, default 0.5) is greedy (the decode-time distribution
    of greedy decoding), the rest sampled at `--temperature` (0.9: diversity,
@@ -73,11 +78,8 @@ Pipeline
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -88,38 +90,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.api import Target, load_target
 from taps_jax.checkpoints.dflash import save_drafter
 from taps_jax.config import DrafterConfig, ModelConfig
-from taps_jax.engine.batching import bucket
 from taps_jax.models.drafter import Drafter
-from taps_jax.models.transformer import Transformer
 from train import loop
-from train.tokenizer import MASK_ID, PAD_ID
+from train.config import add_flags, build, option
+from train.preset import add_preset_flag, read_preset
+from train.data import (PROMPT_DIGESTS, Example, add_data_flags, encode_examples, read_split,
+                        resolve_mask_token, write_prompt_digests)
+# Re-exported: train.distill is the stage's public face (data and objective live in their own modules).
+from train.distill_data import (  # noqa: F401
+    AnchorBatches, Sequences, anchor_range, generate_sequences, params_fingerprint, sample_anchors,
+    sequences_from_pairs)
+from train.distill_objective import (  # noqa: F401
+    anchor_block_mask, block_forward, block_tokens, default_gamma, labels_and_weights, make_evaluator,
+    make_forward, make_loss_fn, plot_agreement, position_weights, summarize, target_taps)
+from train.tokenizer import MASK_ID
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ANCHOR_REGIONS = ("continuation", "all")
 
 
 # --------------------------------------------------------------------------- settings
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss-weight decay: 7 for Kb = 16 (DFlash), scaled as 7 * (Kb - 1) / 15 otherwise."""
-    return 7.0 * (block_size - 1) / 15.0
-
-
-def position_weights(block_size: int, gamma: float | None = None) -> np.ndarray:
-    """w_k = exp(-(k-1)/gamma) for drafted slots k = 1..H. [H] float32"""
-    gamma = default_gamma(block_size) if gamma is None else gamma
-    if not gamma > 0:
-        raise ValueError(f"gamma must be > 0 (the decay length of the loss weights), got {gamma!r}")
-    return np.exp(-np.arange(block_size - 1) / gamma).astype(np.float32)
-
 
 def spread_taps(num_target_layers: int, num_taps: int = 3) -> tuple[int, ...]:
     """Target layers to tap: evenly spread over [1, L-1] (shallow to the final layer).
@@ -173,18 +168,19 @@ def make_drafter_config(
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Objective and loop settings (the optimizer is a `loop.OptimConfig`)."""
+    """Objective and loop settings: the preset's "train" section (the optimizer is `DistillOptim`)."""
 
-    steps: int = 2000
-    batch_size: int = 8  # sequences per step
-    anchors_per_seq: int = 16  # blocks per sequence, all in one forward
-    gamma: float | None = None  # None: default_gamma(block_size)
-    anchor_region: str = "continuation"
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 250  # 0: only at the end
-    checkpoint_every_s: float = 600.0
-    keep: int = 3
+    steps: int = option(2000, "optimizer steps")
+    batch_size: int = option(8, "sequences per step")
+    anchors_per_seq: int = option(16, "draft blocks per sequence per step, all in one forward")
+    gamma: float | None = option(None, "loss-weight decay (default: 7 * (Kb - 1) / 15)")
+    anchor_region: str = option("continuation", "where blocks may start: in the target's continuation "
+                                "(labels are target tokens) or anywhere", choices=ANCHOR_REGIONS)
+    seed: int = option(0, "initialisation, data order and sampling seed")
+    log_every: int = option(10, "log every N steps")
+    eval_every: int = option(250, "validate every N steps (0: only at the end)")
+    checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
+    keep: int = option(3, "checkpoints kept")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq"):
@@ -201,152 +197,62 @@ def distill_optim(steps: int, lr: float = 6e-4, warmup_ratio: float = 0.04, **kw
     return loop.OptimConfig(lr=lr, warmup_steps=max(1, round(warmup_ratio * steps)), total_steps=steps, **kwargs)
 
 
-# --------------------------------------------------------------------------- data: target generations
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """The drafter's shape: the preset's "drafter" section (width, heads and rope follow the target)."""
+
+    num_layers: int = option(1, "drafter layers", flag="--layers")
+    block_size: int = option(16, "Kb (H = Kb - 1 drafted positions)")
+    num_taps: int = option(3, "how many target layers to tap when --taps is not given")
+    target_layer_ids: tuple[int, ...] | None = option(
+        None, "target layer ids to tap, e.g. 1,3,5 (default: --num-taps spread over [1, L-1])", flag="--taps")
+    mask_token_id: int | None = option(
+        None, "the drafter's mask token: an id of the target's vocabulary that never occurs in the data "
+              "(default: the tokenizer's mask special token, e.g. <|mask|>; refused if it has none)")
+    intermediate_size: int | None = option(None, "drafter MLP width (default: the target's)")
 
 
-@dataclasses.dataclass
-class Sequences:
-    """Prompt + target continuation per row, right-padded with PAD."""
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """How the training sequences are made: the preset's "data" section."""
 
-    tokens: np.ndarray  # [N, S] int32
-    prompt_lens: np.ndarray  # [N] int32
-    lengths: np.ndarray  # [N] int32: prompt + continuation (EOS included when generated)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def seq_len(self) -> int:
-        return self.tokens.shape[1]
-
-    def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        for name in ("tokens", "prompt_lens", "lengths"):
-            tmp = path / f"{name}.tmp{os.getpid()}.npy"
-            np.save(tmp, getattr(self, name))
-            os.replace(tmp, path / f"{name}.npy")
-
-    @classmethod
-    def load(cls, path: Path) -> "Sequences":
-        return cls(*(np.load(path / f"{name}.npy") for name in ("tokens", "prompt_lens", "lengths")))
+    num_sequences: int = option(4096, "--corpus: train-split prompts to continue")
+    gen_tokens: int = option(256, "tokens generated per prompt (given responses are cut to this length)")
+    greedy_fraction: float = option(0.5, "share of greedy continuations (the rest sampled)")
+    temperature: float = option(0.9, "temperature of the sampled continuations")
+    gen_batch_size: int = option(64, "prompts per generation batch")
+    val_sequences: int = option(128, "--corpus: validation prompts to continue")
+    val_split: str = option("validation", "--corpus: split of the validation prompts",
+                            choices=("validation", "heldout"))
+    max_prompt_tokens: int | None = option(64, "keep the last N tokens of longer prompts")
+    val_fraction: float = option(0.05, "--prompts without --val-prompts: held-out share of the lines "
+                                       "(a stable hash of each line)")
 
 
-def params_fingerprint(params) -> str:
-    """sha1 of every parameter's bytes (cache key for generations of these weights)."""
-    h = hashlib.sha1()
-    for leaf in jax.tree.leaves(params):
-        a = np.asarray(leaf)
-        h.update(str((a.shape, a.dtype)).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
+@dataclasses.dataclass(frozen=True)
+class DistillOptim:
+    """The optimizer: the preset's "optim" section (AdamW, warmup, cosine decay, clipping)."""
+
+    lr: float = option(6e-4, "peak learning rate")
+    warmup_ratio: float = option(0.04, "warmup as a share of the steps")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    min_lr_ratio: float = option(0.05, "final learning rate / peak")
+    clip_norm: float = option(1.0, "global gradient-norm clip")
+    b1: float = option(0.9, "Adam beta1")
+    b2: float = option(0.95, "Adam beta2")
+
+    def optim(self, steps: int) -> loop.OptimConfig:
+        return distill_optim(steps, **dataclasses.asdict(self))
 
 
-def generate_sequences(
-    target: Target,
-    prompts: list[list[int]],
-    gen_tokens: int,
-    *,
-    batch_size: int = 64,
-    greedy_fraction: float = 0.5,
-    temperature: float = 0.9,
-    seed: int = 0,
-    cache_dir: Path | None = None,
-    name: str = "train",
-    seq_multiple: int = 16,
-) -> Sequences:
-    """Continue every prompt with the target (batched AR), cached on disk.
+@dataclasses.dataclass(frozen=True)
+class DistillSettings:
+    """Everything a distillation run is configured with: a preset file's sections, overridden by flags."""
 
-    The first round(greedy_fraction * N) prompts are continued greedily, the
-    rest sampled at `temperature` (prompts come in random order, so both
-    halves are random subsets). Batch i of a mode uses seed + i. Every batch
-    is padded to `batch_size` and to one cache capacity, so generation
-    compiles once per prompt-length bucket and mode. Rows are padded to a
-    multiple of `seq_multiple` tokens.
-    """
-    if not prompts:
-        raise ValueError("no prompts to continue")
-    if not 0.0 <= greedy_fraction <= 1.0:
-        raise ValueError(f"greedy_fraction must lie in [0, 1], got {greedy_fraction!r}")
-    if greedy_fraction < 1.0 and not temperature > 0:
-        raise ValueError(f"sampled continuations need temperature > 0, got {temperature!r}")
-    n = len(prompts)
-    n_greedy = round(greedy_fraction * n)
-    longest = max(map(len, prompts))
-    width = -(-(longest + gen_tokens) // seq_multiple) * seq_multiple
-    capacity = bucket(longest + gen_tokens)
-    key = hashlib.sha1(json.dumps({
-        "target": params_fingerprint(target.params), "eos": list(target.eos_ids),
-        "prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "gen_tokens": gen_tokens,
-        "batch_size": batch_size, "n_greedy": n_greedy, "temperature": temperature, "seed": seed,
-        "width": width,
-    }, sort_keys=True).encode()).hexdigest()[:12]
-    final = cache_dir / f"{name}-{key}" if cache_dir is not None else None
-    if final is not None and (final / "lengths.npy").is_file():
-        seqs = Sequences.load(final)
-        tqdm.write(f"{name}: {len(seqs)} cached target continuations from {final}")
-        return seqs
-    parts = final / "parts" if final is not None else None
-    if parts is not None:
-        parts.mkdir(parents=True, exist_ok=True)
-
-    # Batches never mix modes: [0, n_greedy) greedy, [n_greedy, n) sampled.
-    batches = [(lo, min(lo + batch_size, n_greedy), True) for lo in range(0, n_greedy, batch_size)]
-    batches += [(lo, min(lo + batch_size, n), False) for lo in range(n_greedy, n, batch_size)]
-    rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
-    bar = tqdm(total=n, desc=f"generate {name}", unit="seq", dynamic_ncols=True, smoothing=0.1,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    t0, made = time.perf_counter(), 0
-    for i, (lo, hi, greedy) in enumerate(batches):
-        part = parts / f"{lo:07d}.npy" if parts is not None else None
-        if part is not None and part.is_file():
-            rows[lo:hi] = np.load(part)
-        else:
-            chunk = prompts[lo:hi]
-            chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one batch shape: one compile
-            result = target.generate(
-                chunk, gen_tokens, temperature=0.0 if greedy else temperature, seed=seed + i,
-                capacity=capacity,
-            )
-            for r, (p, c) in enumerate(zip(chunk[: hi - lo], result.tokens)):
-                seq = list(p) + list(c)
-                rows[lo + r, 0], rows[lo + r, 1] = len(p), len(seq)
-                rows[lo + r, 2 : 2 + len(seq)] = seq
-                made += len(c)
-            if part is not None:
-                np.save(part.with_suffix(".tmp.npy"), rows[lo:hi])
-                os.replace(part.with_suffix(".tmp.npy"), part)
-        bar.update(hi - lo)
-        bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
-    bar.close()
-    seqs = Sequences(rows[:, 2:].copy(), rows[:, 0].copy(), rows[:, 1].copy())
-    if final is not None:
-        seqs.save(final)
-        (final / "meta.json").write_text(json.dumps({
-            "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
-            "gen_tokens": gen_tokens,
-            "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
-        }, indent=2))
-        shutil.rmtree(parts, ignore_errors=True)
-    return seqs
-
-
-def corpus_prompts(target: Target, split: str, n: int, seed: int, max_tokens: int | None = None) -> list[list[int]]:
-    """n function-signature prompts of a corpus split, tokenised with the target's tokenizer.
-
-    max_tokens keeps only the LAST tokens of longer prompts (the sequence
-    width is the longest prompt + gen_tokens for every row, so a few long
-    prompts would pad all rows; the default set's prompts are 25 tokens on
-    average, 69 at the 99th percentile, 113 at most).
-    """
-    from train.corpus import build_prompts
-
-    if target.tokenizer is None:
-        raise ValueError("the target has no tokenizer.json; distillation prompts are text, add the tokenizer")
-    ids = target.encode([p["prompt"] for p in build_prompts(split, n=n, seed=seed)])
-    return [p[-max_tokens:] for p in ids] if max_tokens else ids
-
-
-# --------------------------------------------------------------------------- anchors and batches
+    drafter: DrafterSpec = DrafterSpec()
+    data: DataSpec = DataSpec()
+    optim: DistillOptim = DistillOptim()
+    train: DistillConfig = DistillConfig()
 
 
 def distillation_prompt_texts(preset: str) -> set[str]:
@@ -356,293 +262,14 @@ def distillation_prompt_texts(preset: str) -> set[str]:
     from train.corpus import build_prompts
 
     s = load_preset(preset)
-    return {p["prompt"] for p in build_prompts("train", n=s["data"]["num_sequences"], seed=s["train"]["seed"])}
-
-
-def anchor_range(prompt_len: int, length: int, block_size: int, region: str) -> tuple[int, int]:
-    """Inclusive [lo, hi] of anchor positions for one sequence (hi < lo: none)."""
-    lo = prompt_len if region == "continuation" else 0
-    hi = length - block_size  # all H labels inside the sequence
-    if hi < lo:  # a continuation cut short by EOS: keep what labels there are (the rest masked)
-        hi = length - 2
-    return lo, hi
-
-
-def sample_anchors(rng: np.random.Generator, lo: int, hi: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """`count` distinct anchors in [lo, hi] (sorted) and a validity mask; too few -> padded invalid."""
-    anchors, valid = np.zeros(count, np.int32), np.zeros(count, bool)
-    if hi >= lo:
-        span = hi - lo + 1
-        got = np.sort(lo + rng.choice(span, size=min(count, span), replace=False))
-        anchors[: len(got)], valid[: len(got)] = got, True
-        anchors[len(got):] = lo
-    return anchors, valid
-
-
-class AnchorBatches:
-    """Deterministic, resumable batches of sequences + anchors.
-
-    batch_at(step) -> {"tokens": [B, S] int32, "anchors": [B, A] int32,
-    "anchor_valid": [B, A] bool, "lengths": [B] int32}. Sequence order is an
-    epoch-wise permutation seeded by (seed, epoch); anchors are seeded by
-    (seed, step, row). No state, so a resumed run sees the same batches.
-    """
-
-    def __init__(self, seqs: Sequences, batch_size: int, anchors_per_seq: int, block_size: int,
-                 region: str = "continuation", seed: int = 0):
-        if len(seqs) == 0:
-            raise ValueError("no training sequences")
-        self.seqs, self.B, self.A, self.Kb = seqs, batch_size, anchors_per_seq, block_size
-        self.region, self.seed = region, seed
-        self._perm: dict[int, np.ndarray] = {}
-        ranges = [anchor_range(int(p), int(n), block_size, region) for p, n in zip(seqs.prompt_lens, seqs.lengths)]
-        self.ranges = np.asarray(ranges, np.int64).reshape(-1, 2)
-        if not (self.ranges[:, 1] >= self.ranges[:, 0]).any():
-            raise ValueError("no sequence is long enough for one anchor; generate longer continuations")
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perm:
-            if len(self._perm) >= 2:
-                self._perm.pop(min(self._perm))
-            self._perm[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
-        return self._perm[epoch]
-
-    def rows_at(self, step: int) -> np.ndarray:
-        samples = step * self.B + np.arange(self.B)
-        return np.array([self._order(int(s) // len(self.seqs))[int(s) % len(self.seqs)] for s in samples])
-
-    def batch_at(self, step: int) -> dict:
-        return self.batch_of(self.rows_at(step), np.random.default_rng([self.seed, 1 << 20, step]))
-
-    def batch_of(self, rows: np.ndarray, rng: np.random.Generator) -> dict:
-        anchors, valid = zip(*(sample_anchors(rng, *self.ranges[r], self.A) for r in rows))
-        return {
-            "tokens": self.seqs.tokens[rows].astype(np.int32),
-            "anchors": np.stack(anchors),
-            "anchor_valid": np.stack(valid),
-            "lengths": self.seqs.lengths[rows].astype(np.int32),
-        }
-
-    def fixed_batches(self, seed: int = 12345) -> list[dict]:
-        """Every sequence once, in order, with fixed anchors (validation); the last batch is padded invalid."""
-        rng = np.random.default_rng([seed])
-        out = []
-        for lo in range(0, len(self.seqs), self.B):
-            rows = np.arange(lo, min(lo + self.B, len(self.seqs)))
-            pad = self.B - len(rows)
-            batch = self.batch_of(np.concatenate([rows, np.full(pad, rows[0])]), rng)
-            batch["anchor_valid"][len(rows):] = False
-            out.append(batch)
-        return out
-
-
-# --------------------------------------------------------------------------- the training forward
-
-
-def anchor_block_mask(anchors_BA, context_len: int, block_size: int):
-    """Visibility [B, A*Kb, C + A*Kb] over [context; blocks] keys for the training forward.
-
-    Row (j, k) (slot k of block j) sees context positions c < anchors[j]
-    (strictly: keyed on the anchor POSITION, not on the block index) and the
-    Kb slots of block j; no other block.
-    """
-    B, A = anchors_BA.shape
-    T = A * block_size
-    anchor_BT = jnp.repeat(anchors_BA, block_size, axis=1)
-    context_BTC = jnp.arange(context_len)[None, None, :] < anchor_BT[:, :, None]
-    block_T = jnp.arange(T) // block_size
-    own_TT = block_T[:, None] == block_T[None, :]
-    return jnp.concatenate([context_BTC, jnp.broadcast_to(own_TT, (B, T, T))], axis=-1)
-
-
-def block_tokens(tokens_BS, anchors_BA, block_size: int, mask_token_id: int):
-    """[tok[anchor], MASK x H] per anchor. [B, A, Kb] int32"""
-    anchor_tok_BA = jnp.take_along_axis(tokens_BS, anchors_BA, axis=1)
-    B, A = anchors_BA.shape
-    masks = jnp.full((B, A, block_size - 1), mask_token_id, tokens_BS.dtype)
-    return jnp.concatenate([anchor_tok_BA[..., None], masks], axis=-1)
-
-
-def block_forward(drafter: Drafter, target: Transformer, blocks_BAK, anchors_BA, taps_BSF):
-    """Drafter logits [B, A, H, V] (float32) of all blocks of each sequence in ONE forward.
-
-    Block j (tokens blocks_BAK[:, j], embedded with the target's table) sits at
-    positions anchors[j] .. anchors[j] + H and attends per `anchor_block_mask`
-    to the fused context taps_BSF (positions 0..S-1). Slot k predicts the token
-    at anchors[j] + k; slot 0 (the anchor) is not a prediction.
-    """
-    B, A, Kb = blocks_BAK.shape
-    S = taps_BSF.shape[1]
-    positions_BAK = anchors_BA[..., None] + jnp.arange(Kb, dtype=jnp.int32)
-    ctx_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    embeds_BTD = target.embed(blocks_BAK.reshape(B, A * Kb))
-    hidden_BTD = drafter.forward_masked(
-        embeds_BTD, positions_BAK.reshape(B, A * Kb), taps_BSF, ctx_positions_BS,
-        anchor_block_mask(anchors_BA, S, Kb),
-    )
-    hidden_BAHD = hidden_BTD.reshape(B, A, Kb, -1)[:, :, 1:]
-    return target.unembed(hidden_BAHD).astype(jnp.float32)
-
-
-def target_taps(target: Transformer, tokens_BS, layer_ids: tuple[int, ...]):
-    """Frozen tap features [B, S, n_taps * D] of whole sequences (causal; the lm head is skipped)."""
-    B, S = tokens_BS.shape
-    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    causal_BSS = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
-    _, taps_BSF, _ = target(tokens_BS, positions_BS, causal_BSS, taps=layer_ids,
-                            logits_index_BI=jnp.zeros((B, 1), jnp.int32))
-    return jax.lax.stop_gradient(taps_BSF)
-
-
-def labels_and_weights(tokens_BS, anchors_BA, anchor_valid_BA, lengths_B, weights_H):
-    """Labels tok[anchor + k] [B, A, H] and loss weights w_k (0 where invalid or past the end)."""
-    S = tokens_BS.shape[1]
-    H = weights_H.shape[0]
-    pos_BAH = anchors_BA[..., None] + jnp.arange(1, H + 1, dtype=jnp.int32)
-    labels_BAH = jnp.take_along_axis(tokens_BS[:, None, :], jnp.minimum(pos_BAH, S - 1), axis=2)
-    valid_BAH = anchor_valid_BA[..., None] & (pos_BAH < lengths_B[:, None, None])
-    return labels_BAH, jnp.where(valid_BAH, weights_H, 0.0), valid_BAH
-
-
-def make_forward(drafter_graphdef, target_graphdef, weights_H: np.ndarray):
-    """(drafter params, batch) -> (logits [B,A,H,V], labels [B,A,H], weights [B,A,H], valid [B,A,H]).
-
-    batch holds the frozen target params under "target" (an argument, not a
-    closure constant, so they are not baked into the compiled program).
-    """
-    weights_H = jnp.asarray(weights_H)
-
-    def forward(params, batch):
-        drafter = nnx.merge(drafter_graphdef, params)
-        target = nnx.merge(target_graphdef, batch["target"])
-        c = drafter.config
-        tokens_BS, anchors_BA = batch["tokens"], batch["anchors"]
-        taps_BSF = target_taps(target, tokens_BS, c.target_layer_ids)
-        blocks_BAK = block_tokens(tokens_BS, anchors_BA, c.block_size, c.mask_token_id)
-        logits_BAHV = block_forward(drafter, target, blocks_BAK, anchors_BA, taps_BSF)
-        labels_BAH, w_BAH, valid_BAH = labels_and_weights(
-            tokens_BS, anchors_BA, batch["anchor_valid"], batch["lengths"], weights_H)
-        return logits_BAHV, labels_BAH, w_BAH, valid_BAH
-
-    return forward
-
-
-def make_loss_fn(forward):
-    """(params, batch) -> (sum_k w_k CE_k / sum_k w_k over the batch, {})."""
-
-    def loss_fn(params, batch):
-        logits_BAHV, labels_BAH, w_BAH, _ = forward(params, batch)
-        ce_BAH = optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, labels_BAH)
-        return jnp.sum(ce_BAH * w_BAH) / jnp.maximum(jnp.sum(w_BAH), 1e-9), {}
-
-    return loss_fn
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | None, H: int,
-                   start_step: int = 0, step_of=lambda: 0):
-    """params -> weighted val CE; also logs per-position agreement and tau (see module docstring).
-
-    step_of() names the step an evaluation is logged under; `evaluate.last`
-    holds the latest summary (see `summarize`).
-    """
-
-    @jax.jit
-    def stats(params, batch):
-        logits_BAHV, labels_BAH, w_BAH, valid_BAH = forward(params, batch)
-        ce_BAH = optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, labels_BAH)
-        hit_BAH = (jnp.argmax(logits_BAHV, -1) == labels_BAH) & valid_BAH
-        full_BA = jnp.all(valid_BAH, axis=-1)  # blocks with all H labels: the empirical chain
-        leading_BA = jnp.sum(jnp.cumprod(hit_BAH, axis=-1), axis=-1)
-        return {
-            "ce": jnp.sum(ce_BAH * w_BAH), "w": jnp.sum(w_BAH),
-            "hit_H": jnp.sum(hit_BAH, axis=(0, 1)), "n_H": jnp.sum(valid_BAH, axis=(0, 1)),
-            "leading": jnp.sum(jnp.where(full_BA, leading_BA, 0)), "blocks": jnp.sum(full_BA),
-        }
-
-    csv_path = out_dir / "val_agreement.csv" if out_dir is not None else None
-    fields = ["step", "loss", "acc_mean", "tau_cumprod", "tau_chain"] + [f"acc_{k}" for k in range(1, H + 1)]
-    rows: list[dict] = []
-    if csv_path is not None:
-        if csv_path.exists() and start_step > 0:
-            with csv_path.open() as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
-        with csv_path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fields)
-            w.writeheader()
-            w.writerows(rows)
-
-    def evaluate(params) -> float:
-        got = jax.device_get([stats(params, {**b, "target": target_params}) for b in batches])
-        total = {k: sum(g[k] for g in got) for k in got[0]}
-        m = summarize(total)
-        if csv_path is not None:
-            row = {"step": step_of(), "loss": f"{m['loss']:.5f}", "acc_mean": f"{m['acc_mean']:.4f}",
-                   "tau_cumprod": f"{m['tau_cumprod']:.4f}", "tau_chain": f"{m['tau_chain']:.4f}",
-                   **{f"acc_{k + 1}": f"{a:.4f}" for k, a in enumerate(m["acc"])}}
-            if rows and int(rows[-1]["step"]) >= row["step"]:
-                # Steps redone after a resume fell back past a damaged checkpoint: replace their rows.
-                rows[:] = [r for r in rows if int(r["step"]) < row["step"]]
-                with csv_path.open("w", newline="") as f:
-                    w = csv.DictWriter(f, fields)
-                    w.writeheader()
-                    w.writerows(rows)
-            rows.append(row)
-            with csv_path.open("a", newline="") as f:
-                csv.DictWriter(f, fields).writerow(row)
-            plot_agreement(rows, out_dir / "agreement.png", H)
-        tqdm.write(f"val agreement k=1..{H}: " + " ".join(f"{a:.2f}" for a in m["acc"])
-                   + f"  mean {m['acc_mean']:.3f}  tau {m['tau_cumprod']:.2f} (cumprod) "
-                   f"{m['tau_chain']:.2f} (chain)")
-        evaluate.last = m
-        return m["loss"]
-
-    evaluate.last = None
-    return evaluate
-
-
-def summarize(total: dict) -> dict:
-    acc = np.asarray(total["hit_H"], np.float64) / np.maximum(np.asarray(total["n_H"], np.float64), 1)
-    return {
-        "loss": float(total["ce"] / max(float(total["w"]), 1e-9)),
-        "acc": acc.tolist(),
-        "acc_mean": float(acc.mean()),
-        "tau_cumprod": float(1.0 + np.cumprod(acc).sum()),
-        "tau_chain": float(1.0 + total["leading"] / max(int(total["blocks"]), 1)),
-    }
-
-
-def plot_agreement(rows: list[dict], path: Path, H: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    last = rows[-1]
-    a1.plot(range(1, H + 1), [float(last[f"acc_{k}"]) for k in range(1, H + 1)], "o-")
-    a1.set(xlabel="drafted position k", ylabel="top-1 agreement with target", ylim=(0, 1),
-           title=f"step {last['step']}")
-    steps = [int(r["step"]) for r in rows]
-    a2.plot(steps, [float(r["tau_cumprod"]) for r in rows], "o-", label="1 + sum cumprod(acc)")
-    a2.plot(steps, [float(r["tau_chain"]) for r in rows], "s-", label="empirical chain")
-    a2.set(xlabel="step", ylabel="expected accepted length (tau)")
-    a2.legend()
-    for a in (a1, a2):
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    return {p["prompt"] for p in build_prompts("train", n=s.data.num_sequences, seed=s.train.seed)}
 
 
 # --------------------------------------------------------------------------- training
 
 
 @dataclasses.dataclass
-class DistillRun:
+class DistillSetup:
     drafter_graphdef: object
     optimizer: optax.GradientTransformation
     train_step: object
@@ -653,7 +280,7 @@ class DistillRun:
 
 
 def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: DistillConfig,
-          optim: loop.OptimConfig, mesh=None) -> DistillRun:
+          optim: loop.OptimConfig, mesh=None) -> DistillSetup:
     """Everything `distill` needs, exposed for benchmarks and tests.
 
     mesh: the drafter's params and optimizer state are sharded by the rules
@@ -671,7 +298,7 @@ def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: Disti
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
                             config.anchor_region, config.seed)
-    return DistillRun(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
+    return DistillSetup(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
                       loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
 
@@ -710,16 +337,11 @@ def distill(
         ck = loop.Checkpointer(out_dir)
         start = ck.latest_step() or 0
         ck.close()
-    current = [start]  # steps done when an evaluation runs (the loop evaluates right after a step)
     evaluate = None
     if val_seqs is not None and len(val_seqs):
         val_batches = AnchorBatches(val_seqs, config.batch_size, config.anchors_per_seq, drafter.config.block_size,
                                     "continuation", config.seed).fixed_batches()
-        evaluate = make_evaluator(run.forward, val_batches, tparams, out_dir, H, start, lambda: current[0])
-
-    def batch_at(step: int) -> dict:
-        current[0] = step + 1
-        return {**run.batches.batch_at(step), "target": tparams}
+        evaluate = make_evaluator(run.forward, val_batches, tparams, out_dir, H, start)
 
     total = config.steps if stop_after is None else min(stop_after, config.steps)
     cfg = loop.LoopConfig(
@@ -727,7 +349,8 @@ def distill(
         log_every=config.log_every, eval_every=config.eval_every,
         checkpoint_every_s=config.checkpoint_every_s, keep=config.keep,
     )
-    return loop.run(cfg, run.state, run.train_step, batch_at, out_dir, evaluate=evaluate, resume=resume,
+    return loop.run(cfg, run.state, run.train_step, run.batches.batch_at, out_dir, evaluate=evaluate, frozen={"target": tparams},
+                    resume=resume,
                     meta=meta or {}, optim=optim, desc="distill", mesh=mesh)
 
 
@@ -740,81 +363,29 @@ def export(out: Path, drafter_graphdef, params) -> Path:
 # --------------------------------------------------------------------------- CLI
 
 
-DEFAULTS = {
-    "drafter": {"num_layers": 1, "block_size": 16, "num_taps": 3, "target_layer_ids": None,
-                "mask_token_id": MASK_ID, "intermediate_size": None},
-    "data": {"num_sequences": 4096, "gen_tokens": 256, "greedy_fraction": 0.5, "temperature": 0.9,
-             "gen_batch_size": 64, "val_sequences": 128, "val_split": "validation", "max_prompt_tokens": 64},
-    "optim": {"lr": 6e-4, "warmup_ratio": 0.04, "weight_decay": 0.01, "min_lr_ratio": 0.05, "clip_norm": 1.0,
-              "b1": 0.9, "b2": 0.95},
-    "train": {"steps": 2000, "batch_size": 8, "anchors_per_seq": 16, "gamma": None,
-              "anchor_region": "continuation", "seed": 0, "log_every": 10, "eval_every": 250,
-              "checkpoint_every_s": 600.0, "keep": 3},
-}
-
-
-def load_preset(name_or_path: str) -> dict:
-    """configs/drafter_<name>.json (or a path) merged over DEFAULTS, section by section."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"drafter_{name_or_path}.json"
-    if not path.is_file():
-        known = sorted(p.stem.removeprefix("drafter_") for p in CONFIG_DIR.glob("drafter_*.json"))
-        raise ValueError(f"no drafter preset {name_or_path!r} ({path} does not exist); known: {', '.join(known)}")
-    raw = json.loads(path.read_text())
-    unknown = set(raw) - set(DEFAULTS) - {"comment"}
-    if unknown:
-        raise ValueError(f"{path}: unknown sections {sorted(unknown)}; use {', '.join(DEFAULTS)}")
-    out = {}
-    for section, defaults in DEFAULTS.items():
-        bad = set(raw.get(section, {})) - set(defaults)
-        if bad:
-            raise ValueError(f"{path}: unknown {section} fields {sorted(bad)}; known: {', '.join(defaults)}")
-        out[section] = {**defaults, **raw.get(section, {})}
-    return out
-
-
-FLAGS = {  # flag dest -> (section, field)
-    "num_sequences": ("data", "num_sequences"), "gen_tokens": ("data", "gen_tokens"),
-    "greedy_fraction": ("data", "greedy_fraction"), "temperature": ("data", "temperature"),
-    "gen_batch_size": ("data", "gen_batch_size"), "val_sequences": ("data", "val_sequences"),
-    "val_split": ("data", "val_split"), "max_prompt_tokens": ("data", "max_prompt_tokens"),
-    "layers": ("drafter", "num_layers"), "block_size": ("drafter", "block_size"),
-    "taps": ("drafter", "target_layer_ids"),
-    "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
-    "anchors_per_seq": ("train", "anchors_per_seq"), "gamma": ("train", "gamma"),
-    "anchor_region": ("train", "anchor_region"), "eval_every": ("train", "eval_every"),
-    "checkpoint_every_s": ("train", "checkpoint_every_s"), "seed": ("train", "seed"),
-    "lr": ("optim", "lr"),
-}
+def load_preset(name_or_path: str, args=None) -> DistillSettings:
+    """train/presets/drafter_<name>.json (or a path) over the defaults, then the flags given in `args`."""
+    path, raw = read_preset("drafter", name_or_path)
+    return build(DistillSettings, raw, args, str(path))
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Distil a DFlash drafter from a target's own generations.")
-    p.add_argument("--target", type=Path, required=True, help="target checkpoint dir (HF layout + tokenizer.json)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--preset", default="default", help="configs/drafter_<name>.json or a path")
-    p.add_argument("--num-sequences", type=int, help="train-split prompts to continue")
-    p.add_argument("--gen-tokens", type=int, help="tokens generated per prompt")
-    p.add_argument("--greedy-fraction", type=float, help="share of greedy continuations (rest sampled)")
-    p.add_argument("--temperature", type=float, help="temperature of the sampled continuations")
-    p.add_argument("--gen-batch-size", type=int)
-    p.add_argument("--val-sequences", type=int)
-    p.add_argument("--val-split", choices=("validation", "heldout"))
-    p.add_argument("--max-prompt-tokens", type=int, help="keep the last N tokens of longer prompts")
-    p.add_argument("--layers", type=int, help="drafter layers")
-    p.add_argument("--block-size", type=int, help="Kb (H = Kb - 1 drafted positions)")
-    p.add_argument("--taps", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="target layer ids to tap, e.g. 1,3,5 (default: 3 spread over [1, L-1])")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int, help="sequences per step")
-    p.add_argument("--anchors-per-seq", type=int)
-    p.add_argument("--gamma", type=float, help="loss-weight decay (default 7 * (Kb-1) / 15)")
-    p.add_argument("--anchor-region", choices=ANCHOR_REGIONS)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--checkpoint-every-s", type=float)
-    p.add_argument("--seed", type=int)
+    p = argparse.ArgumentParser(
+        prog="python -m train.distill",
+        description="Distil a DFlash drafter from a target's own continuations of your prompts. Data: --prompts "
+                    "FILE.jsonl (your prompts, optionally with responses) or --corpus DIR (function-signature "
+                    "prompts from the .py files under DIR, split by file). The exported drafter lands in OUT/export.")
+    p.add_argument("--target", type=Path, required=True,
+                   help="target checkpoint dir (Hugging Face layout: config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="training dir (checkpoints, data cache, metrics); the drafter is exported to OUT/export")
+    add_preset_flag(p, "drafter", "is a seconds-long smoke test")
+    add_data_flags(p, prompts='JSONL, one {"prompt": "..."} or {"ids": [...]} per line (the target continues each), '
+                              'or {"prompt": ..., "response": ...} / {"ids": ..., "response_ids": ...} '
+                              '(continuations given: no generation). Every line is used',
+                   corpus="instead of --prompts: a tree of .py files; prompts are function signatures of its train "
+                          "split, validation prompts of its --val-split (split by file path hash)")
+    add_flags(p, DistillSettings)  # every preset setting, with its help and default, from the dataclasses
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")
     p.add_argument("--bench", type=int, default=0, metavar="N",
@@ -823,37 +394,89 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+@dataclasses.dataclass(frozen=True)
+class DistillRun:
+    """One distillation run: the target, your data, where to write, and the settings (`DistillSettings`)."""
+
+    target: Path
+    out: Path
+    settings: DistillSettings = DistillSettings()
+    prompts: Path | None = None  # your prompts JSONL ...
+    val_prompts: Path | None = None
+    corpus: Path | None = None  # ... or a tree of .py files
+    preset: str = "default"  # the preset's name, recorded in the checkpoints
+    resume: bool = False
+    export_only: bool = False
+    bench: int = 0  # time N steps and exit
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_output_path(args.out, directory=True)  # before any work
-        return _main(args)
+        config = DistillRun(target=args.target, out=args.out, settings=load_preset(args.preset, args),
+                            prompts=args.prompts, val_prompts=args.val_prompts, corpus=args.corpus,
+                            preset=args.preset, resume=args.resume, export_only=args.export_only, bench=args.bench)
+        run(config, sharding.setup_mesh(args))
+        return 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def _settings(args) -> dict:
-    s = load_preset(args.preset)
-    for dest, (section, field) in FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            s[section][field] = value
-    return s
+def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, validation) examples from --prompts/--val-prompts or --corpus; checked before any model loads."""
+    if (args.prompts is None) == (args.corpus is None):
+        which = "both" if args.prompts is not None else "neither"
+        raise ValueError(f"give your data with --prompts FILE.jsonl (prompts, optionally with responses) or --corpus "
+                         f"DIR (a tree of .py files); got {which}")
+    if args.val_prompts is not None and args.prompts is None:
+        raise ValueError("--val-prompts goes with --prompts (--corpus takes its validation prompts from its own split)")
+    if args.prompts is not None:
+        return read_split(args.prompts, args.val_prompts, data.val_fraction)
+    if not args.corpus.is_dir():
+        raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
+    from train.corpus import build_prompts
+
+    def take(split, n, seed):
+        return [Example(p["prompt"]) for p in build_prompts(split, n=n, seed=seed, root=args.corpus)]
+
+    return take("train", data.num_sequences, seed), take(data.val_split, data.val_sequences, seed + 1)
 
 
-def _main(args) -> int:
-    s = _settings(args)
-    d, data, tr, op = s["drafter"], s["data"], s["train"], s["optim"]
-    mesh = sharding.setup_mesh(args)
+def _export(out: Path, graphdef, params) -> Path:
+    path = export(out / "export", graphdef, params)
+    digests = out / PROMPT_DIGESTS
+    if digests.is_file():  # train.traces refuses these prompts
+        shutil.copy(digests, path / PROMPT_DIGESTS)
+    return path
+
+
+def run(config: DistillRun, mesh=None) -> Path | None:
+    """Distil (or export, or bench) as `config` says; returns the exported drafter dir (None after --bench)."""
+    args = config  # the run config carries the same names as the CLI flags
+    check_output_path(args.out, directory=True)  # before any work
+    s = config.settings
+    d, data, config = s.drafter, s.data, s.train
+    optim = s.optim.optim(config.steps)
+    train_ex = val_ex = None
+    if not (args.bench or args.export_only):
+        train_ex, val_ex = read_data(args, data, config.seed)  # bad data is refused before the target loads
     target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
+    V = target.config.vocab_size
+    pairs = val_pairs = []
+    mask = d.mask_token_id
+    if args.export_only and (args.out / "run.json").is_file():
+        mask = json.loads((args.out / "run.json").read_text())["drafter"]["mask_token_id"]  # as trained
+    if train_ex is not None:
+        pairs = encode_examples(train_ex, target.tokenizer, V, str(args.prompts or args.corpus))
+        val_pairs = encode_examples(val_ex, target.tokenizer, V, str(args.val_prompts or args.prompts or args.corpus))
+    given = [t for pair in pairs + val_pairs for t in pair if t is not None]
+    mask = resolve_mask_token(target.tokenizer, V, mask, given, reserved=target.eos_ids)
     dcfg = make_drafter_config(
-        target.config, num_layers=d["num_layers"], block_size=d["block_size"],
-        target_layer_ids=d["target_layer_ids"], num_taps=d["num_taps"], mask_token_id=d["mask_token_id"],
-        intermediate_size=d["intermediate_size"],
+        target.config, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=d.target_layer_ids,
+        num_taps=d.num_taps, mask_token_id=mask, intermediate_size=d.intermediate_size,
     )
-    config = DistillConfig(**tr)
-    optim = distill_optim(config.steps, **op)
     drafter = Drafter(dcfg, nnx.Rngs(config.seed))
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.split(drafter)[1])))
     H = dcfg.block_size - 1
@@ -864,7 +487,8 @@ def _main(args) -> int:
           f"draft tokens/step; {optim}", flush=True)
 
     if args.bench:
-        return bench(target, drafter, config, optim, data["gen_tokens"], args.bench, mesh=mesh)
+        bench(target, drafter, config, optim, data.gen_tokens, args.bench, mesh=mesh)
+        return None
 
     if args.export_only:
         graphdef, params = nnx.split(drafter)
@@ -879,26 +503,43 @@ def _main(args) -> int:
         else:
             raise ValueError(f"no checkpoint under {args.out}; train first")
         ckpt.close()
-        out = export(args.out / "export", graphdef, final)
-        print(f"exported the {info} params to {out}")
-        return 0
+        out = _export(args.out, graphdef, final)
+        print(f"exported the {info} params to {out}", flush=True)
+        return out
 
     args.out.mkdir(parents=True, exist_ok=True)
-    cache = args.out / "data"
-    gen = dict(batch_size=data["gen_batch_size"], temperature=data["temperature"], cache_dir=cache)
-    train_seqs = generate_sequences(
-        target, corpus_prompts(target, "train", data["num_sequences"], config.seed, data["max_prompt_tokens"]), data["gen_tokens"],
-        greedy_fraction=data["greedy_fraction"], seed=config.seed, name="train", **gen)
-    val_seqs = generate_sequences(
-        target, corpus_prompts(target, data["val_split"], data["val_sequences"], config.seed + 1,
-                               data["max_prompt_tokens"]),
-        data["gen_tokens"], greedy_fraction=1.0, seed=config.seed + 1, name=data["val_split"], **gen)
+    write_prompt_digests(args.out, [p for p, _ in pairs + val_pairs])
+    # Rows are as wide as the longest prompt + gen_tokens, so a few long prompts would pad every row: keep
+    # their last max_prompt_tokens (the default set's prompts: 25 tokens on average, 69 at the 99th percentile).
+    cut = data.max_prompt_tokens
+    if pairs[0][1] is not None:  # responses given: no generation
+        train_seqs = sequences_from_pairs(pairs, data.gen_tokens, cut)
+        val_seqs = sequences_from_pairs(val_pairs, data.gen_tokens, cut) if val_pairs else None
+    else:
+        gen = dict(batch_size=data.gen_batch_size, temperature=data.temperature, cache_dir=args.out / "data")
+        train_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in pairs], data.gen_tokens,
+                                        greedy_fraction=data.greedy_fraction, seed=config.seed, name="train", **gen)
+        val_name = data.val_split if args.corpus else "validation"
+        val_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in val_pairs], data.gen_tokens,
+                                      greedy_fraction=1.0, seed=config.seed + 1, name=val_name,
+                                      **gen) if val_pairs else None
+        cont = np.arange(train_seqs.seq_len)[None] >= train_seqs.prompt_lens[:, None]
+        hits = int(np.sum((train_seqs.tokens == mask) & cont & (np.arange(train_seqs.seq_len)[None]
+                                                                < train_seqs.lengths[:, None])))
+        if hits:
+            print(f"warning: the target generated the mask token {mask} {hits} times in its continuations; it "
+                  f"is then both a label and the mask (pass --mask-token-id with a token the target never emits)",
+                  file=sys.stderr, flush=True)
     cont = train_seqs.lengths - train_seqs.prompt_lens
     print(f"train: {len(train_seqs)} sequences of width {train_seqs.seq_len}, continuation mean {cont.mean():.0f} "
-          f"tokens ({(cont < data['gen_tokens']).mean():.0%} stopped at EOS); "
+          f"tokens ({(cont < data.gen_tokens).mean():.0%} stopped at EOS); validation: "
+          f"{len(val_seqs) if val_seqs is not None else 0} sequences; "
           f"{config.steps * config.batch_size / len(train_seqs):.1f} passes over the sequences", flush=True)
     (args.out / "run.json").write_text(json.dumps({
-        "target": str(args.target), "drafter": dataclasses.asdict(dcfg), "settings": s,
+        "target": str(args.target), "drafter": dataclasses.asdict(dcfg), "settings": dataclasses.asdict(s),
+        "data": {"prompts": str(args.prompts) if args.prompts else None,
+                 "val_prompts": str(args.val_prompts) if args.val_prompts else None,
+                 "corpus": str(args.corpus) if args.corpus else None},
         "optim": dataclasses.asdict(optim), "params": n_params,
     }, indent=2, default=str))
 
@@ -906,10 +547,10 @@ def _main(args) -> int:
     result = distill(target, drafter, train_seqs, val_seqs, args.out, config, optim, resume=args.resume, mesh=mesh,
                      meta={"preset": args.preset})
     final = result.best_params if result.best_params is not None else result.state.params
-    out = export(args.out / "export", graphdef, final)
+    out = _export(args.out, graphdef, final)
     which = f"best validation (step {result.best_step})" if result.best_params is not None else "final"
     print(f"exported the {which} drafter to {out}", flush=True)
-    return 0
+    return out
 
 
 def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.OptimConfig,

@@ -68,9 +68,12 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from taps_jax import sharding
+from train.config import option
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict]]
+# evaluate(params, step) -> {"loss": the selection metric (lower is better), ...anything else to report}
+EvalFn = Callable[[PyTree, int], dict]
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -80,15 +83,15 @@ LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict]]
 class OptimConfig:
     """AdamW with linear warmup, cosine decay to `min_lr_ratio * lr`, global-norm clipping."""
 
-    lr: float = 1e-3
-    warmup_steps: int = 100
-    total_steps: int = 1000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
+    lr: float = option(1e-3, "peak learning rate")
+    warmup_steps: int = option(100, "linear warmup steps")
+    total_steps: int = 1000  # set from the run's steps, not a flag
+    min_lr_ratio: float = option(0.1, "final learning rate / peak (cosine decay)")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    b1: float = option(0.9, "Adam beta1")
+    b2: float = option(0.95, "Adam beta2")
+    eps: float = option(1e-8, "Adam epsilon")
+    clip_norm: float = option(1.0, "global gradient-norm clip")
 
     def schedule(self) -> optax.Schedule:
         warmup = max(1, min(self.warmup_steps, self.total_steps - 1))
@@ -161,14 +164,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     return sharded_step
 
 
-def make_eval_fn(loss_fn: LossFn, batches: Sequence[PyTree], mesh=None) -> Callable[[PyTree], float]:
-    """params -> mean loss over fixed batches (all batches have the same shape)."""
+def make_eval_fn(loss_fn: LossFn, batches: Sequence[PyTree], mesh=None) -> EvalFn:
+    """evaluate(params, step) -> {"loss": mean loss over fixed batches} (all batches have the same shape)."""
     step = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
     batches = [sharding.shard_batch(b, mesh) for b in batches]
 
-    def evaluate(params) -> float:
+    def evaluate(params, step_number: int) -> dict:
         losses = [step(params, b) for b in batches]  # dispatched asynchronously
-        return float(np.mean(jax.device_get(losses))) if losses else float("nan")
+        return {"loss": float(np.mean(jax.device_get(losses))) if losses else float("nan")}
 
     return evaluate
 
@@ -433,7 +436,8 @@ def run(
     batch_at: Callable[[int], PyTree],
     out_dir: str | Path,
     *,
-    evaluate: Callable[[PyTree], float] | None = None,
+    evaluate: EvalFn | None = None,
+    frozen: dict[str, PyTree] | None = None,
     resume: bool = False,
     meta: dict | None = None,
     optim: OptimConfig | None = None,
@@ -445,6 +449,12 @@ def run(
 
     resume_must_match: keys of `meta` that the checkpoint resumed from must
     have the same value for (a ValueError otherwise, before any step).
+
+    evaluate(params, step) -> {"loss": ..., ...}: called after step `step`
+    (steps done); its "loss" selects the best checkpoint.
+    frozen: {name: inputs every step reads but never trains} (e.g. the
+    target's params, already placed): added to every batch under those
+    names, never split over "data" or checkpointed.
 
     mesh: the state is placed on it (`shard_state`) before any restore, so a
     checkpoint written on any mesh shape resumes onto this one; pair it with
@@ -476,7 +486,7 @@ def run(
 
     def do_eval(step: int):
         nonlocal best_val, best_step
-        val = evaluate(state.params)
+        val = float(evaluate(state.params, step)["loss"])
         log.add(step=step, split="val", loss=f"{val:.5f}", lr=f"{_lr_at(optim, step):.3e}",
                 elapsed_s=f"{elapsed0 + time.perf_counter() - t0:.1f}")
         mark = ""
@@ -509,7 +519,7 @@ def run(
                mininterval=1.0 if interactive else 60.0, smoothing=0.05)
     try:
         for step in range(start, config.total_steps):
-            batch = batch_at(step)
+            batch = batch_at(step) if frozen is None else {**batch_at(step), **frozen}
             state, metrics = train_step(state, batch)
             pending.append(metrics)
             bar.update(1)

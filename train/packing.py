@@ -173,10 +173,11 @@ def eval_batches(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the packed token caches of the corpus splits.")
+    parser = argparse.ArgumentParser(prog="python -m train.packing", description="Build the packed token caches of the corpus splits.")
     parser.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json or its directory")
-    parser.add_argument("--cache-dir", type=Path, required=True)
-    parser.add_argument("--splits", nargs="+", default=list(corpus.SPLITS), choices=corpus.SPLITS)
+    parser.add_argument("--cache-dir", type=Path, required=True, help="where the .npy token caches go")
+    parser.add_argument("--splits", nargs="+", default=list(corpus.SPLITS), choices=corpus.SPLITS,
+                        help="which corpus splits to tokenise")
     args = parser.parse_args(argv)
 
     for split in args.splits:

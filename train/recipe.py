@@ -7,19 +7,24 @@ own checkpoints when interrupted (rerun the same command):
 
   tokenizer  byte-level BPE on the stdlib train split      -> WORK/tokenizer/
   data       token caches + held-out prompt set            -> WORK/tokens/, WORK/prompts_heldout.jsonl
-  target     Qwen3 pretraining (configs/target_<preset>)   -> WORK/target_train/export/
-  drafter    DFlash distillation (configs/drafter_<preset>) -> WORK/drafter_train/export/
+  target     Qwen3 pretraining (presets/target_<preset>)   -> WORK/target_train/export/
+  drafter    DFlash distillation (presets/drafter_<preset>) -> WORK/drafter_train/export/
   traces     TAPS traces on train-split prompts that the    -> WORK/prompts_traces.jsonl, WORK/traces/
              drafter was NOT distilled on
   scorer     TAPS scorers: temperature-1 and greedy labels -> WORK/scorer_train/, WORK/scorer_greedy_train/
   assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer,scorer_greedy}/
   report     taps-bench at T=0 and T=1 + final losses        -> ASSETS/report.json, report.png, report_t1.png
+
+Each training stage is its module's `run(config)` with a typed config
+(`stage_configs`: TargetRun, DistillRun, TracesRun, ScorerRun); `--dry-run`
+prints those configs, resolved presets included, and runs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import shutil
 import sys
@@ -31,7 +36,7 @@ STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assembl
 # (training dir under WORK, labels): the set's scorer/ serves sampled decoding,
 # scorer_greedy/ greedy decoding (their acceptance rules differ).
 SCORERS = (("scorer_train", "sampled"), ("scorer_greedy_train", "greedy"))
-SCORER_FLAGS = ("--residual",)
+SCORER_SETTINGS = {"residual": True}
 
 
 def _done(path: Path, name: str) -> bool:
@@ -45,6 +50,49 @@ def _done(path: Path, name: str) -> bool:
 def _check(code: int, name: str) -> None:
     if code:
         raise SystemExit(f"[recipe] stage {name} failed with exit status {code}; fix it and rerun to resume")
+
+
+def stage_configs(name: str, args) -> list:
+    """The typed run configs of the training stages: what each stage's `run(config)` is called with."""
+    from train import distill, scorer, target, traces
+
+    work = args.work
+    target_dir, drafter_dir = work / "target_train" / "export", work / "drafter_train" / "export"
+    if name == "target":  # the corpus: the recipe's --corpus (root_override) or the stdlib
+        return [target.TargetRun(out=work / "target_train", settings=target.load_preset(args.preset),
+                                 tokenizer=work / "tokenizer", tokens=work / "tokens", preset=args.preset,
+                                 resume=True)]
+    if name == "drafter":
+        return [distill.DistillRun(target=target_dir, out=work / "drafter_train",
+                                   settings=distill.load_preset(args.preset), corpus=corpus.stdlib_root(),
+                                   preset=args.preset, resume=True)]
+    if name == "traces":
+        return [traces.TracesRun(target=target_dir, drafter=drafter_dir, prompts=work / "prompts_traces.jsonl",
+                                 out=work / "traces", trace=traces.TraceConfig(max_new_tokens=args.trace_tokens))]
+    if name == "scorer":
+        steps = {"steps": args.scorer_steps} if args.scorer_steps else {}
+        return [scorer.ScorerRun(traces=work / "traces", target=target_dir, out=work / out, resume=True,
+                                 train=scorer.ScorerTrainConfig(labels=labels, **SCORER_SETTINGS, **steps))
+                for out, labels in SCORERS]
+    return []
+
+
+def _run(module, config, name: str):
+    try:
+        return module.run(config)
+    except ValueError as e:
+        raise SystemExit(f"[recipe] stage {name} failed: {e}; fix it and rerun to resume") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"[recipe] stage {name} interrupted; rerun the same command to resume") from None
+
+
+def dry_run(name: str, args) -> None:
+    """Print what a stage would run: its run config (the resolved preset included), or what it builds."""
+    configs = stage_configs(name, args)
+    for config in configs:
+        print(f"[recipe] {name}: run({config})")
+    if not configs:
+        print(f"[recipe] {name}: (no training run; see the module docstring)")
 
 
 def run_stage(name: str, args) -> None:
@@ -64,16 +112,15 @@ def run_stage(name: str, args) -> None:
     elif name == "target":
         if not _done(target_dir / "config.json", name):
             from train import target
-            out = work / "target_train"
-            base = ["--out", str(out), "--preset", preset, "--tokenizer", str(tok_dir), "--tokens", str(tokens)]
-            _check(target.main(base + ["--resume"]), name)
+            config, = stage_configs(name, args)
+            _run(target, config, name)
             if not (target_dir / "config.json").exists():
-                _check(target.main(base + ["--export-only"]), name)
+                _run(target, dataclasses.replace(config, resume=False, export_only=True), name)
     elif name == "drafter":
         if not _done(drafter_dir / "config.json", name):
             from train import distill
-            _check(distill.main(["--target", str(target_dir), "--out", str(work / "drafter_train"),
-                                 "--preset", preset, "--resume"]), name)
+            config, = stage_configs(name, args)
+            _run(distill, config, name)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
             from train import distill, traces
@@ -83,18 +130,14 @@ def run_stage(name: str, args) -> None:
                 # memorised, not as it drafts on new code: the scorer must learn the latter.
                 corpus.write_prompts_jsonl(prompts, corpus.build_prompts(
                     "train", n=args.trace_prompts, exclude=distill.distillation_prompt_texts(preset)))
-            _check(traces.main(["--target", str(target_dir), "--drafter", str(drafter_dir),
-                                "--prompts", str(prompts), "--out", str(work / "traces"),
-                                "--max-new-tokens", str(args.trace_tokens)]), name)
+            config, = stage_configs(name, args)
+            _run(traces, config, name)
             (work / "traces" / "DONE").write_text("complete\n")
     elif name == "scorer":
-        for out, labels in SCORERS:
+        for config, (out, labels) in zip(stage_configs(name, args), SCORERS):
             if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
                 from train import scorer
-                steps = ["--steps", str(args.scorer_steps)] if args.scorer_steps else []
-                _check(scorer.main(["--traces", str(work / "traces"), "--target", str(target_dir),
-                                    "--out", str(work / out), "--labels", labels, *SCORER_FLAGS, "--resume",
-                                    *steps]), name)
+                _run(scorer, config, name)
     elif name == "assemble":
         scorers = {out.removesuffix("_train"): work / out / "scorer" for out, _ in SCORERS}
         assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl")
@@ -189,19 +232,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.recipe", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=Path("runs/default"), help="working dir for all stages")
     p.add_argument("--assets", type=Path, default=Path("taps_jax/assets/default"), help="where the set is assembled")
-    p.add_argument("--preset", default="default", help="configs/{target,drafter}_<preset>.json")
+    p.add_argument("--preset", default="default", help="train/presets/{target,drafter}_<preset>.json")
     p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
     p.add_argument("--corpus", type=Path, default=None,
                    help="train on the .py files under this directory instead of the standard library")
-    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary size")
     p.add_argument("--tokenizer-bytes", type=int, default=None, help="train the tokenizer on this many bytes only")
-    p.add_argument("--heldout-prompts", type=int, default=200)
-    p.add_argument("--trace-prompts", type=int, default=256)
-    p.add_argument("--trace-tokens", type=int, default=128)
+    p.add_argument("--heldout-prompts", type=int, default=200, help="prompts in the shipped held-out set")
+    p.add_argument("--trace-prompts", type=int, default=256, help="train-split prompts traced for the scorer")
+    p.add_argument("--trace-tokens", type=int, default=128, help="tokens decoded per trace prompt")
     p.add_argument("--scorer-steps", type=int, default=None, help="scorer training steps (default: train.scorer's)")
     p.add_argument("--report-prompts", type=int, default=32, help="held-out prompts in the report benchmark")
     p.add_argument("--report-budgets", default="16,32,64", help="tree budgets in the report benchmark")
     p.add_argument("--report-tokens", type=int, default=128, help="new tokens per prompt in the report benchmark")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each stage's training command and resolved preset, run nothing")
     args = p.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
@@ -211,6 +256,12 @@ def main(argv=None) -> int:
     if args.corpus is not None and not args.corpus.is_dir():
         print(f"{p.prog}: error: --corpus {args.corpus} is not a directory; give a tree of .py files", file=sys.stderr)
         return 2
+    if args.dry_run:
+        with corpus.root_override(args.corpus):
+            for name in STAGES:
+                if name in stages:
+                    dry_run(name, args)
+        return 0
     from decode.common import check_output_path
 
     try:

@@ -28,49 +28,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from tqdm import tqdm
 
 from decode.common import check_output_path
 from taps_jax import sharding
 from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
-from taps_jax.checkpoints.scorer import ScorerModel, save_scorer
-from taps_jax.checkpoints.tensors import safetensor_files
+from taps_jax.checkpoints.scorer import EMBED_NAME, ScorerModel, save_scorer
+from taps_jax.checkpoints.tensors import read_tensor
 from taps_jax.config import ModelConfig
 from taps_jax.tree.pool import Pool
 from taps_jax.tree.scorer import Scorer, ScorerConfig, ScorerInputs, scorer_log_qcond
 from taps_jax.tree.select import reach
 from train import loop
-from train.traces import check_traces_for_embedding, load_traces
+from train.config import add_flags, build, option
+from train.traces import check_traces_for_embedding, load_traces, unflatten_inputs
 
-EMBED_NAME = "model.embed_tokens.weight"
 LABELS = ("sampled", "greedy")
 VAL_TAU_BUDGET = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class ScorerTrainConfig:
-    steps: int = 2000
-    batch_size: int = 32  # trace rows (one sequence-round each) per step
-    lr: float = 3e-3
-    weight_decay: float = 1e-4
-    warmup_steps: int | None = None  # default: 2% of the steps
-    min_lr_ratio: float = 0.0
-    val_fraction: float = 0.1  # of the PROMPTS
-    eval_every: int = 200
-    log_every: int = 10
-    checkpoint_every_s: float = 600.0
-    checkpoint_every: int = 0
-    seed: int = 0
-    token_dim: int = 32
-    hidden_dim: int = 32
-    depth_dim: int = 16
-    mlp_dim: int = 64
-    # What q_cond learns: "sampled" = the target's temperature-1 probability of
-    # each child (what rejection sampling accepts), "greedy" = whether the child
-    # is the target's argmax (what greedy verification accepts).
-    labels: str = "sampled"
-    residual: bool = False  # learn a correction to the drafter's conditional (ScorerConfig.residual)
+    steps: int = option(2000, "optimizer steps")
+    batch_size: int = option(32, "trace rows (one sequence-round each) per step")
+    lr: float = option(3e-3, "peak learning rate (AdamW, cosine)")
+    weight_decay: float = option(1e-4, "AdamW weight decay")
+    warmup_steps: int | None = option(None, "linear warmup steps (default: 2% of the steps)")
+    min_lr_ratio: float = option(0.0, "final learning rate / peak")
+    val_fraction: float = option(0.1, "fraction of the PROMPTS held out for validation")
+    eval_every: int = option(200, "validate every N steps (0: only at the end)")
+    log_every: int = option(10, "log every N steps")
+    checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
+    checkpoint_every: int = option(0, "also checkpoint every N steps (0: by time only)")
+    seed: int = option(0, "initialisation, split and data-order seed")
+    token_dim: int = option(32, "width of the token-embedding projection")
+    hidden_dim: int = option(32, "width of the drafter-hidden-state projection")
+    depth_dim: int = option(16, "width of the depth embedding")
+    mlp_dim: int = option(64, "width of the scorer's MLP heads")
+    labels: str = option("sampled", "what q_cond estimates: 'sampled' = the target's temperature-1 probability of "
+                         "each child (for sampled decoding), 'greedy' = whether it is the target's argmax (for "
+                         "temperature 0)", choices=LABELS)
+    residual: bool = option(False, "learn a correction to the drafter's own conditional (starts at DDTree's "
+                                   "ranking; ScorerConfig.residual)")
 
     def __post_init__(self):
         if self.labels not in LABELS:
@@ -95,14 +94,10 @@ def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
     """The target's config and its [V, D] token embedding table (float32), nothing else."""
     path = check_dir(path)
     config = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
-    for file in safetensor_files(path):
-        with safe_open(str(file), framework="flax") as f:
-            if EMBED_NAME in f.keys():
-                with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                    table = np.asarray(f.get_tensor(EMBED_NAME), np.float32)
-                break
-    else:
+    table = read_tensor(path, EMBED_NAME)  # the shared reader: this one tensor only
+    if table is None:
         raise ValueError(f"{path}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
+    table = np.asarray(table, np.float32)
     if table.shape != (config.vocab_size, config.hidden_size):
         raise ValueError(f"{path}: {EMBED_NAME} has shape {table.shape}, the config expects "
                          f"{(config.vocab_size, config.hidden_size)}")
@@ -113,19 +108,8 @@ def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
 
 
 def inputs_from_batch(batch: dict, width: int) -> ScorerInputs:
-    """ScorerInputs of a batch of trace rows (the scorer's own view of a round)."""
-    pool = Pool(
-        parent_BN=batch["parent"].astype(jnp.int32),
-        token_BN=batch["token"].astype(jnp.int32),
-        depth_BN=batch["depth"].astype(jnp.int32),
-        rank_BN=batch["rank"].astype(jnp.int32),
-        step_logprob_BN=batch["step_logprob"].astype(jnp.float32),
-        cum_logprob_BN=batch["cum_logprob"].astype(jnp.float32),
-        valid_BN=batch["valid"].astype(bool),
-        width=width,
-    )
-    return ScorerInputs(pool, batch["entropy"], batch["margin"], batch["topk_mass"], batch["hidden"],
-                        batch["root_token"].astype(jnp.int32))
+    """ScorerInputs of a batch of trace rows (the scorer's own view of a round; the schema is train.traces')."""
+    return unflatten_inputs(batch, width)
 
 
 def scorer_loss(pool: Pool, log_q_BN, log_qo_BS, p_BN, po_BS, reach_BN, row_w_B):
@@ -377,42 +361,38 @@ def train_scorer(traces, target, out, config: ScorerTrainConfig = ScorerTrainCon
     return summary
 
 
+@dataclasses.dataclass(frozen=True)
+class ScorerRun:
+    """One scorer training: the traces, the target they were collected with, where to write, the settings."""
+
+    traces: Path
+    target: Path
+    out: Path
+    train: ScorerTrainConfig = ScorerTrainConfig()
+    resume: bool = False
+
+
+def run(config: ScorerRun, mesh=None, progress: bool = True) -> dict:
+    """Train and export the scorer of `config` (see `train_scorer`). Returns the summary."""
+    check_output_path(config.out, directory=True)  # before any work
+    return train_scorer(config.traces, config.target, config.out, config.train, resume=config.resume,
+                        progress=progress, mesh=mesh)
+
+
 def main(argv: list[str] | None = None) -> int:
-    d = ScorerTrainConfig()
-    p = argparse.ArgumentParser(description="Train the TAPS scorer on traces from `python -m train.traces`.")
+    p = argparse.ArgumentParser(prog="python -m train.scorer", description="Train the TAPS scorer on traces from `python -m train.traces`.")
     p.add_argument("--traces", type=Path, required=True, help="trace dir (meta.json + shards)")
     p.add_argument("--target", type=Path, required=True, help="the target checkpoint the traces were collected with")
     p.add_argument("--out", type=Path, required=True, help="training dir; the scorer is exported to OUT/scorer")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="trace rows per step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="fraction of PROMPTS held out")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--checkpoint-every-s", type=float, default=d.checkpoint_every_s)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--mlp-dim", type=int, default=d.mlp_dim)
-    p.add_argument("--token-dim", type=int, default=d.token_dim)
-    p.add_argument("--labels", choices=LABELS, default=d.labels,
-                   help="what q_cond estimates: 'sampled' = the target's temperature-1 probability of each "
-                        "child (for sampled decoding), 'greedy' = whether it is the target's argmax (for "
-                        "temperature 0)")
-    p.add_argument("--residual", action="store_true",
-                   help="the scorer learns a correction to the drafter's own conditional (starts at DDTree's ranking)")
+    add_flags(p, ScorerTrainConfig)  # every setting, with its help and default, from the dataclass
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     sharding.add_mesh_args(p)
     args = p.parse_args(argv)
     try:
         check_output_path(args.out, directory=True)  # before any work
         mesh = sharding.setup_mesh(args)
-        config = ScorerTrainConfig(
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-            warmup_steps=args.warmup_steps, val_fraction=args.val_fraction, eval_every=args.eval_every,
-            checkpoint_every_s=args.checkpoint_every_s, seed=args.seed, mlp_dim=args.mlp_dim,
-            token_dim=args.token_dim, labels=args.labels, residual=args.residual,
-        )
-        s = train_scorer(args.traces, args.target, args.out, config, resume=args.resume, mesh=mesh)
+        s = run(ScorerRun(args.traces, args.target, args.out, build(ScorerTrainConfig, None, args), args.resume),
+                mesh=mesh)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -129,10 +129,10 @@ def bytes_per_token(tok: Tokenizer, texts: Iterable[str], batch: int = 64) -> tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the byte-level BPE tokenizer on the stdlib train split.")
+    parser = argparse.ArgumentParser(prog="python -m train.tokenizer", description="Train the byte-level BPE tokenizer on the stdlib train split.")
     parser.add_argument("--out", type=Path, required=True, help="directory for tokenizer.json")
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--max-bytes", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (3 special tokens included)")
+    parser.add_argument("--max-bytes", type=int, default=None, help="train on only the first N bytes of the split")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()

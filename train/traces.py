@@ -44,6 +44,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from train import data
+from train.config import add_flags, build, option
+
 from decode.common import check_output_path
 from taps_jax.api import Target, load_target
 from taps_jax.engine.ar import DecodeConfig
@@ -55,46 +58,80 @@ from taps_jax.engine.speculative import SpecConfig, SpecState, draft_stage, init
 from taps_jax.tree.lattice import build_lattice
 from taps_jax.tree.policies import TreeConfig
 from taps_jax.tree.pool import Pool, build_pool
+from taps_jax.tree.scorer import ScorerInputs
 from taps_jax.tree.select import Tree, ancestor_mask, reach
 
 FORMAT = "taps-traces"
 VERSION = 1
 META_NAME = "meta.json"
 
-# name -> (on-disk dtype, shape in terms of N nodes, S = N + 1 parent slots, H depths, D drafter width)
-FIELDS = {
-    "prompt_id": (np.int32, ()),
-    "round": (np.int32, ()),
-    "length": (np.int32, ()),
-    "root_token": (np.int32, ()),
-    "token": (np.int32, ("N",)),
-    "parent": (np.int16, ("N",)),
-    "depth": (np.int8, ("N",)),
-    "rank": (np.int16, ("N",)),
-    "step_logprob": (np.float32, ("N",)),
-    "cum_logprob": (np.float32, ("N",)),
-    "valid": (np.bool_, ("N",)),
-    "entropy": (np.float32, ("H",)),
-    "margin": (np.float32, ("H",)),
-    "topk_mass": (np.float32, ("H",)),
-    "hidden": (np.float16, ("H", "D")),
-    "p_star": (np.float32, ("N",)),
-    "p_other": (np.float32, ("S",)),
-    "reach_star": (np.float32, ("N",)),
-    "target_argmax": (np.int32, ("S",)),
-}
+# The trace schema. What the scorer reads is the `ScorerInputs` pytree, flattened by path: each leaf is
+# named by its field without the pool prefix and the shape suffix (pool.token_BN -> "token",
+# hidden_BHD -> "hidden"), and the suffix after B gives its per-row axes (N nodes, S = N + 1 parent
+# slots, H depths, D drafter width). The labels and the row's bookkeeping are the other fields.
+# Only the on-disk storage dtypes are chosen here (ids in the smallest int type, hidden states in float16).
+STORAGE = {"parent": np.int16, "token": np.int32, "depth": np.int8, "rank": np.int16, "step_logprob": np.float32,
+           "cum_logprob": np.float32, "valid": np.bool_, "entropy": np.float32, "margin": np.float32,
+           "topk_mass": np.float32, "hidden": np.float16, "root_token": np.int32}
+LABELS = {"p_star": (np.float32, ("N",)), "p_other": (np.float32, ("S",)), "reach_star": (np.float32, ("N",)),
+          "target_argmax": (np.int32, ("S",))}
+BOOKKEEPING = {"prompt_id": (np.int32, ()), "round": (np.int32, ()), "length": (np.int32, ())}
+
+
+def _leaf_name(field: str) -> tuple[str, tuple[str, ...]]:
+    """("token", ("N",)) of "token_BN": the trace name and the per-row axes of a ScorerInputs leaf."""
+    name, _, axes = field.rpartition("_")
+    return name, tuple(axes[1:])  # drop the batch axis B
+
+
+def _input_fields(cls=ScorerInputs) -> list[tuple[str, str, tuple[str, ...]]]:
+    """[(trace name, attribute path, axes)] of the ScorerInputs pytree (static fields such as width skipped)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("pytree_node", True):
+            continue
+        if f.name == "pool":
+            out += [(n, f"pool.{attr}", axes) for n, attr, axes in _input_fields(Pool)]
+        else:
+            out.append((*_leaf_name(f.name)[:1], f.name, _leaf_name(f.name)[1]))
+    return out
+
+
+INPUT_FIELDS = _input_fields()
+assert {n for n, _, _ in INPUT_FIELDS} == set(STORAGE), "STORAGE must name every ScorerInputs leaf"
+# name -> (on-disk dtype, per-row axes): the inputs, then the labels and bookkeeping.
+FIELDS = {name: (STORAGE[name], axes) for name, _, axes in INPUT_FIELDS}
+FIELDS.update(LABELS)
+FIELDS.update(BOOKKEEPING)
+
+
+def flatten_inputs(inputs: ScorerInputs) -> dict:
+    """{trace name: [B, ...] array} of a round's ScorerInputs."""
+    return {name: functools.reduce(getattr, attr.split("."), inputs) for name, attr, _ in INPUT_FIELDS}
+
+
+def unflatten_inputs(rows: dict, width: int) -> ScorerInputs:
+    """The ScorerInputs of a batch of trace rows (ids as int32, the rest float32, `valid` as bool)."""
+    def cast(name):
+        dtype = np.dtype(FIELDS[name][0])
+        x = jnp.asarray(rows[name])
+        return x.astype(bool if dtype == np.bool_ else jnp.int32 if dtype.kind in "iu" else jnp.float32)
+
+    pool = {attr.removeprefix("pool."): cast(n) for n, attr, _ in INPUT_FIELDS if attr.startswith("pool.")}
+    rest = {attr: cast(n) for n, attr, _ in INPUT_FIELDS if not attr.startswith("pool.")}
+    return ScorerInputs(pool=Pool(**pool, width=width), **rest)
 
 
 @dataclasses.dataclass(frozen=True)
 class TraceConfig:
     """What a trace set is collected with (static; part of meta.json)."""
 
-    pool_width: int = 32  # W of the large pool; N = H * W nodes
-    pool_k: int = 32  # lattice K of the large pool
-    policy: str = "ddtree"  # the decoding policy that advances the sequences
-    budget: int = 32
-    max_new_tokens: int = 128
-    max_prompt_len: int = 512  # longer prompts keep their last tokens
+    pool_width: int = option(32, "beam width W of the large pool (N = H * W nodes)")
+    pool_k: int = option(32, "lattice width K of the large pool")
+    policy: str = option("ddtree", "the policy that advances decoding", choices=("ddtree", "chain"))
+    budget: int = option(32, "that policy's verification budget")
+    max_new_tokens: int = option(128, "tokens decoded per prompt")
+    max_prompt_len: int = option(512, "longer prompts keep their last tokens")
 
     def __post_init__(self):
         for name in ("pool_width", "pool_k", "budget", "max_new_tokens", "max_prompt_len"):
@@ -183,22 +220,8 @@ def trace_round(target_graphdef, target_params, drafter_graphdef, drafter_params
     new, acc = verify_stage(target, drafter, s, dcache, tree, spec)
     a_B = acc.num_accepted_B
     record = {
-        "running": running_B,
-        "accepted": a_B,
-        "round": s.rounds_B,
-        "length": length_B,
-        "root_token": s.bonus_B,
-        "token": pool.token_BN,
-        "parent": pool.parent_BN,
-        "depth": pool.depth_BN,
-        "rank": pool.rank_BN,
-        "step_logprob": pool.step_logprob_BN,
-        "cum_logprob": pool.cum_logprob_BN,
-        "valid": pool.valid_BN,
-        "entropy": lattice.entropy_BH,
-        "margin": lattice.margin_BH,
-        "topk_mass": lattice.topk_mass_BH,
-        "hidden": hidden_BHD.astype(jnp.float16),
+        "running": running_B, "accepted": a_B, "round": s.rounds_B, "length": length_B,
+        **flatten_inputs(ScorerInputs.from_round(lattice, pool, hidden_BHD.astype(jnp.float16), s.bonus_B)),
         **labels,
     }
     return new, record
@@ -426,41 +449,90 @@ def collect(target: Target, drafter, prompts, out, config: TraceConfig = TraceCo
     return meta
 
 
+@dataclasses.dataclass(frozen=True)
+class TracesRun:
+    """One trace collection: the models, the prompts (a file, or a corpus), where to write, and the settings."""
+
+    target: Path
+    drafter: Path
+    out: Path
+    prompts: Path | None = None
+    corpus: Path | None = None
+    num_prompts: int = 256  # with corpus
+    distill_prompts: tuple[Path, ...] = ()  # prompt files the drafter was distilled on (refused)
+    trace: TraceConfig = TraceConfig()
+    batch_size: int = 8
+    shard_rows: int = 4096
+    dtype: str = "float32"
+    stop_at_eos: bool = True
+
+
+def run(config: TracesRun, progress: bool = True) -> dict:
+    """Collect the traces of `config` (see `collect`); refusals come before any model loads where they can."""
+    from taps_jax.decoder import load_drafter
+
+    check_output_path(config.out, directory=True)  # before any work
+    if (config.prompts is None) == (config.corpus is None):
+        raise ValueError("give the trace prompts with --prompts FILE.jsonl or --corpus DIR (one of them)")
+    if config.corpus is not None and not Path(config.corpus).is_dir():
+        raise ValueError(f"--corpus {config.corpus} is not a directory; give a tree of .py files")
+    prompts = [r.prompt for r in read_prompt_file(config.prompts)] if config.prompts else None
+    distill_files = [[e.prompt for e in data.read_examples(f)] for f in config.distill_prompts]
+    target = load_target(config.target, config.dtype)
+    drafter = load_drafter(config.drafter, config.dtype)
+    vocab = target.config.vocab_size
+    distilled = data.read_prompt_digests(config.drafter)
+    for f, texts in zip(config.distill_prompts, distill_files):
+        distilled |= {data.prompt_digest(data.encode(t, target.tokenizer, vocab, str(f))) for t in texts}
+    if prompts is not None:
+        data.check_disjoint(encode_prompts(prompts, target.tokenizer, vocab), distilled, str(config.prompts))
+        source = str(config.prompts)
+    else:
+        from train.corpus import build_prompts
+
+        texts = [p["prompt"] for p in build_prompts("train", n=None, root=config.corpus)]
+        prompts = [t for t, ids in zip(texts, target.encode(texts))
+                   if data.prompt_digest(ids) not in distilled][: config.num_prompts]
+        if len(prompts) < config.num_prompts:
+            raise ValueError(f"--corpus {config.corpus} has only {len(prompts)} train-split prompts the drafter was "
+                             f"not distilled on; lower --num-prompts")
+        source = f"{config.corpus} (train split, {len(prompts)} prompts)"
+    return collect(target, drafter, prompts, config.out, config.trace, batch_size=config.batch_size,
+                   shard_rows=config.shard_rows, stop_at_eos=config.stop_at_eos, progress=progress, source=source)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Collect TAPS scorer traces: target labels on large draft pools.")
+    p = argparse.ArgumentParser(prog="python -m train.traces",
+                                description="Collect TAPS scorer traces: target labels on large draft pools.")
     p.add_argument("--target", type=Path, required=True, help="target checkpoint dir (Hugging Face layout)")
     p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter checkpoint dir")
-    p.add_argument("--prompts", type=Path, required=True, help='JSONL: {"prompt": "..."} or {"ids": [...]} per line')
+    data.add_data_flags(
+        p, prompts='JSONL: {"prompt": "..."} or {"ids": [...]} per line; must not hold the prompts the drafter was '
+                   'distilled on (checked against DRAFTER/distill_prompts.json and --distill-prompts)',
+        corpus="instead of --prompts: function-signature prompts of the train split of this tree of .py files, "
+               "skipping the drafter's distillation prompts", val_prompts=False)
+    p.add_argument("--num-prompts", type=int, default=256, help="--corpus: how many prompts")
+    p.add_argument("--distill-prompts", type=Path, action="append", default=[],
+                   help="a prompts file the drafter was distilled on (repeatable); an overlap is refused")
     p.add_argument("--out", type=Path, required=True, help="output dir (shards + meta.json); resumes if it exists")
-    p.add_argument("--pool-width", type=int, default=32, help="beam width W of the large pool (N = H * W nodes)")
-    p.add_argument("--pool-k", type=int, default=32, help="lattice width K of the large pool")
-    p.add_argument("--policy", choices=("ddtree", "chain"), default="ddtree", help="policy that advances decoding")
-    p.add_argument("--budget", type=int, default=32, help="that policy's verification budget")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--shard-rows", type=int, default=4096)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_flags(p, TraceConfig)  # every setting, with its help and default, from the dataclass
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--shard-rows", type=int, default=4096, help="trace rows per shard file")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     p.add_argument("--no-eos", action="store_true", help="do not stop sequences at EOS")
     args = p.parse_args(argv)
     try:
-        from taps_jax.decoder import load_drafter
-
-        check_output_path(args.out, directory=True)  # before any work
-
-        config = TraceConfig(args.pool_width, args.pool_k, args.policy, args.budget, args.max_new_tokens,
-                             args.max_prompt_len)
-        prompts = [r.prompt for r in read_prompt_file(args.prompts)]
-        target = load_target(args.target, args.dtype)
-        drafter = load_drafter(args.drafter, args.dtype)
-        meta = collect(target, drafter, prompts, args.out, config, batch_size=args.batch_size,
-                       shard_rows=args.shard_rows, stop_at_eos=not args.no_eos, source=str(args.prompts))
+        meta = run(TracesRun(
+            target=args.target, drafter=args.drafter, out=args.out, prompts=args.prompts, corpus=args.corpus,
+            num_prompts=args.num_prompts, distill_prompts=tuple(args.distill_prompts),
+            trace=build(TraceConfig, None, args), batch_size=args.batch_size, shard_rows=args.shard_rows,
+            dtype=args.dtype, stop_at_eos=not args.no_eos))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted: the shards written so far are kept; run the same command again to resume after "
-              f"the last one", file=sys.stderr)
+        print("interrupted: the shards written so far are kept; run the same command again to resume after "
+              "the last one", file=sys.stderr)
         return 130
     print(f"{meta['rows']} rows ({meta['pool']['nodes']} pool nodes each) from {meta['prompts']['count']} prompts "
           f"in {len(meta['shards'])} shards under {args.out}; decoding tau "

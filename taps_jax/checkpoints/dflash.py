@@ -13,7 +13,7 @@ from pathlib import Path
 from flax import nnx
 
 from taps_jax.checkpoints.hf import _field, _rope, check_dir, read_json
-from taps_jax.checkpoints.tensors import load_module, module_to_tensors, read_tensors, write_tensors
+from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, write_tensors
 from taps_jax.config import DrafterConfig
 from taps_jax.models.drafter import Drafter
 
@@ -137,12 +137,11 @@ def load_drafter_module(path, dtype: str = "float32") -> tuple[Drafter, DrafterC
     config = read_drafter_config(path, dtype)
     path = Path(path)
     abstract = nnx.eval_shape(lambda: Drafter(config, nnx.Rngs(0)))
-    tensors = read_tensors(path)
 
     def ignore(name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")  # derived from the config
 
-    return load_module(abstract, tensors, _no_prefix, str(path), ignore), config
+    return load_weights(abstract, path, _no_prefix, str(path), ignore), config
 
 
 def save_drafter(drafter: Drafter, path) -> None:

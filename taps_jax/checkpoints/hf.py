@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from taps_jax.checkpoints.tensors import load_module, module_to_tensors, read_tensors, write_tensors
+from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, write_tensors
 from taps_jax.config import FAMILIES, ModelConfig, RopeScaling
 from taps_jax.models.transformer import Transformer
 
@@ -178,8 +178,7 @@ def load_transformer(path, dtype: str = "float32") -> tuple[Transformer, dict]:
     raw = read_json(path / "config.json")
     config = config_from_hf(raw, str(path / "config.json"), dtype)
     abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
-    tensors = read_tensors(path)
-    model = load_module(abstract, tensors, _prefix, str(path), ignored_tensors(config))
+    model = load_weights(abstract, path, _prefix, str(path), ignored_tensors(config))
     return model, raw
 
 

@@ -16,10 +16,9 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from taps_jax.checkpoints.hf import check_dir, read_json
-from taps_jax.checkpoints.tensors import load_module, module_to_tensors, read_tensors, safetensor_files, write_tensors
+from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, open_tensors, write_tensors
 from taps_jax.tree.scorer import Scorer, ScorerConfig
 
 ARCHITECTURE = "TapsScorer"
@@ -115,7 +114,7 @@ def load_scorer(path) -> ScorerModel:
     raw = read_json(path / "config.json")
     config = config_from_json(raw, str(path / "config.json"))
     abstract = nnx.eval_shape(lambda: Scorer(config, nnx.Rngs(0)))
-    module = load_module(abstract, read_tensors(path), _no_prefix, str(path))
+    module = load_weights(abstract, path, _no_prefix, str(path))
     return ScorerModel(module, dict(raw.get("training") or {}))
 
 
@@ -136,16 +135,13 @@ def embed_probe(embed_VD) -> list[float]:
 def checkpoint_embed_probe(target_dir) -> list[float]:
     """The probe of a target checkpoint, read from its safetensors file: 4 rows, no model loading."""
     target_dir = check_dir(target_dir)
-    for file in safetensor_files(target_dir):
-        with safe_open(str(file), framework="flax") as f:
-            if EMBED_NAME not in f.keys():
-                continue
-            table = f.get_slice(EMBED_NAME)
-            rows, cols = probe_index(*table.get_shape())
-            with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                picked = [np.asarray(table[r:r + 1], np.float32)[0, cols] for r in rows]
-            return [float(x) for x in np.concatenate(picked)]
-    raise ValueError(f"{target_dir}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
+    with open_tensors(target_dir) as where:
+        if EMBED_NAME not in where:
+            raise ValueError(f"{target_dir}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
+        table = where[EMBED_NAME].get_slice(EMBED_NAME)
+        rows, cols = probe_index(*table.get_shape())
+        picked = [np.asarray(table[r:r + 1], np.float32)[0, cols] for r in rows]
+    return [float(x) for x in np.concatenate(picked)]
 
 
 def check_probe(recorded, probe: list[float], scorer: str) -> None:

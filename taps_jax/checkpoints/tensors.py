@@ -7,6 +7,7 @@ on the accelerator once by the caller.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -80,16 +81,8 @@ def check_file_size(file: Path) -> None:
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint dir as host numpy arrays (bf16 via ml_dtypes)."""
-    out: dict[str, np.ndarray] = {}
-    with _host():
-        for file in safetensor_files(path):
-            try:
-                with safe_open(str(file), framework="flax") as f:
-                    for name in f.keys():
-                        out[name] = np.asarray(f.get_tensor(name))
-            except Exception as e:  # truncated or not a safetensors file
-                raise ValueError(f"{file}: cannot read safetensors file ({e}); re-export or re-download it") from e
-    return out
+    with open_tensors(path) as where:
+        return {name: np.asarray(h.get_tensor(name)) for name, h in where.items()}
 
 
 def write_tensors(path: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int = 4 << 30) -> None:
@@ -168,39 +161,26 @@ def module_to_tensors(module: nnx.Module, prefix_of: Callable[[tuple], str]) -> 
     return out
 
 
-def load_module(
-    abstract: nnx.Module,
-    tensors: dict[str, np.ndarray],
-    prefix_of: Callable[[tuple], str],
-    source: str,
-    ignore: Callable[[str], bool] = lambda name: False,
-) -> nnx.Module:
-    """Fill an abstract (eval_shape'd) module from HF-named host tensors.
+def _match(flat, shapes: dict[str, tuple], prefix_of, source: str, ignore) -> list[tuple]:
+    """[(param path, variable, HF name, transpose)] for every parameter, after checking names and shapes.
 
     Every parameter must be present with the right shape; tensors that map to
     no parameter are an error unless `ignore` accepts them (the names of
     both sides are in the message, so a wrong architecture is obvious).
     """
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    used = set()
-    values = []
-    missing = []
+    used, plan, missing = set(), [], []
     for path, var in flat:
         name, transpose = hf_name(path, prefix_of(path))
-        if name not in tensors:
-            shape = tuple(var.get_value().shape)
-            missing.append(f"{name!r} (shape {shape[::-1] if transpose else shape})")
-            continue
-        value = tensors[name].T if transpose else tensors[name]
         want = tuple(var.get_value().shape)
-        if tuple(value.shape) != want:
-            got = tuple(tensors[name].shape)
-            expected = want[::-1] if transpose else want
-            raise ValueError(f"{source}: tensor {name!r} has shape {got}, the config expects {expected}")
+        expected = want[::-1] if transpose else want
+        if name not in shapes:
+            missing.append(f"{name!r} (shape {expected})")
+            continue
+        if tuple(shapes[name]) != expected:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, the config expects {expected}")
         used.add(name)
-        values.append(np.asarray(value, dtype=var.get_value().dtype))
-    extra = sorted(n for n in tensors if n not in used and not ignore(n))
+        plan.append((path, var, name, transpose))
+    extra = sorted(n for n in shapes if n not in used and not ignore(n))
     if missing:
         # Name the stray tensors too: a renamed tensor shows up on both sides.
         stray = f"; the checkpoint has unmatched tensors: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else ""
@@ -209,9 +189,93 @@ def load_module(
     if extra:
         shown = ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else "")
         raise ValueError(f"{source}: {len(extra)} tensors match no parameter of this architecture: {shown}")
-    leaves = jax.device_put(values)  # one transfer of the whole set to the default device
-    for (path, var), leaf in zip(flat, leaves):
+    return plan
+
+
+def load_module(
+    abstract: nnx.Module,
+    tensors: dict[str, np.ndarray],
+    prefix_of: Callable[[tuple], str],
+    source: str,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> nnx.Module:
+    """Fill an abstract (eval_shape'd) module from HF-named host tensors in memory (checked as `load_weights`)."""
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    plan = _match(flat, {k: v.shape for k, v in tensors.items()}, prefix_of, source, ignore)
+    values = [np.asarray(tensors[n].T if t else tensors[n], dtype=var.get_value().dtype) for _, var, n, t in plan]
+    for (_, var, _, _), leaf in zip(plan, jax.device_put(values)):  # one transfer of the whole set
         var.set_value(leaf)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+@contextlib.contextmanager
+def open_tensors(path: Path):
+    """{HF name: lazy safetensors handle} over every weight file of a checkpoint dir, read on the host."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_host())
+        where = {}
+        for file in safetensor_files(Path(path)):
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="flax"))
+            except Exception as e:  # truncated or not a safetensors file
+                raise ValueError(f"{file}: cannot read safetensors file ({e}); re-export or re-download it") from e
+            for name in handle.keys():
+                where[name] = handle
+        yield where
+
+
+def read_tensor(path: Path, name: str) -> np.ndarray | None:
+    """One tensor of a checkpoint dir as a host array (None if absent), nothing else read."""
+    with open_tensors(path) as where:
+        return np.asarray(where[name].get_tensor(name)) if name in where else None
+
+
+def load_weights(
+    abstract: nnx.Module,
+    path: Path,
+    prefix_of: Callable[[tuple], str],
+    source: str,
+    ignore: Callable[[str], bool] = lambda name: False,
+    sharding_of: Callable[[str, tuple], "jax.sharding.Sharding"] | None = None,
+) -> nnx.Module:
+    """The one safetensors reader of targets, drafters and scorers: fill an abstract module from a checkpoint dir.
+
+    sharding_of: None puts every parameter whole on the default device (one
+    transfer). Otherwise sharding_of(param path "a.b.c", shape) gives each
+    parameter's sharding and it is built with `jax.make_array_from_callback`:
+    only the slices this host's devices hold are read from disk, and the full
+    tensor never sits on one device (taps_jax.sharding.load_module).
+    """
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    with open_tensors(path) as where:
+        shapes = {name: tuple(h.get_slice(name).get_shape()) for name, h in where.items()}
+        plan = _match(flat, shapes, prefix_of, source, ignore)
+        if sharding_of is None:
+            values = []
+            for _, var, name, transpose in plan:
+                value = np.asarray(where[name].get_tensor(name))
+                values.append(np.asarray(value.T if transpose else value, dtype=var.get_value().dtype))
+            for (_, var, _, _), leaf in zip(plan, jax.device_put(values)):
+                var.set_value(leaf)
+            return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        for p, var, name, transpose in plan:
+            shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
+            tensor = where[name].get_slice(name)
+            read: dict[tuple, np.ndarray] = {}  # replicated slices are read once, not once per device
+
+            def block(index, tensor=tensor, transpose=transpose, dtype=dtype, shape=shape, read=read):
+                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+                key = tuple(s.indices(n) for s, n in zip(index, shape))
+                if key not in read:
+                    hf_index = index[::-1] if transpose else index
+                    value = np.asarray(tensor[hf_index] if hf_index else tensor[:])
+                    read[key] = np.asarray(value.T if transpose else value, dtype=dtype)
+                return read[key]
+
+            sharding = sharding_of(".".join(str(k) for k in p), shape)
+            var.set_value(jax.make_array_from_callback(shape, sharding, block))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

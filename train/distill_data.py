@@ -1,0 +1,245 @@
+"""Distillation data: the target's continuations of the prompts, cached, and anchor-keyed batches.
+
+See train/distill.py (steps 1 and 4 of its pipeline). `batch_at(step)` is a
+pure function of the step, so a resumed run sees the batches an uninterrupted
+one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from taps_jax.api import Target
+from taps_jax.engine.batching import bucket
+from train.tokenizer import PAD_ID
+
+
+# --------------------------------------------------------------------------- data: target generations
+
+
+@dataclasses.dataclass
+class Sequences:
+    """Prompt + target continuation per row, right-padded with PAD."""
+
+    tokens: np.ndarray  # [N, S] int32
+    prompt_lens: np.ndarray  # [N] int32
+    lengths: np.ndarray  # [N] int32: prompt + continuation (EOS included when generated)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        for name in ("tokens", "prompt_lens", "lengths"):
+            tmp = path / f"{name}.tmp{os.getpid()}.npy"
+            np.save(tmp, getattr(self, name))
+            os.replace(tmp, path / f"{name}.npy")
+
+    @classmethod
+    def load(cls, path: Path) -> "Sequences":
+        return cls(*(np.load(path / f"{name}.npy") for name in ("tokens", "prompt_lens", "lengths")))
+
+
+def params_fingerprint(params) -> str:
+    """sha1 of every parameter's bytes (cache key for generations of these weights)."""
+    h = hashlib.sha1()
+    for leaf in jax.tree.leaves(params):
+        a = np.asarray(leaf)
+        h.update(str((a.shape, a.dtype)).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def generate_sequences(
+    target: Target,
+    prompts: list[list[int]],
+    gen_tokens: int,
+    *,
+    batch_size: int = 64,
+    greedy_fraction: float = 0.5,
+    temperature: float = 0.9,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    name: str = "train",
+    seq_multiple: int = 16,
+) -> Sequences:
+    """Continue every prompt with the target (batched AR), cached on disk.
+
+    The first round(greedy_fraction * N) prompts are continued greedily, the
+    rest sampled at `temperature` (prompts come in random order, so both
+    halves are random subsets). Batch i of a mode uses seed + i. Every batch
+    is padded to `batch_size` and to one cache capacity, so generation
+    compiles once per prompt-length bucket and mode. Rows are padded to a
+    multiple of `seq_multiple` tokens.
+    """
+    if not prompts:
+        raise ValueError("no prompts to continue")
+    if not 0.0 <= greedy_fraction <= 1.0:
+        raise ValueError(f"greedy_fraction must lie in [0, 1], got {greedy_fraction!r}")
+    if greedy_fraction < 1.0 and not temperature > 0:
+        raise ValueError(f"sampled continuations need temperature > 0, got {temperature!r}")
+    n = len(prompts)
+    n_greedy = round(greedy_fraction * n)
+    longest = max(map(len, prompts))
+    width = -(-(longest + gen_tokens) // seq_multiple) * seq_multiple
+    capacity = bucket(longest + gen_tokens)
+    key = hashlib.sha1(json.dumps({
+        "target": params_fingerprint(target.params), "eos": list(target.eos_ids),
+        "prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "gen_tokens": gen_tokens,
+        "batch_size": batch_size, "n_greedy": n_greedy, "temperature": temperature, "seed": seed,
+        "width": width,
+    }, sort_keys=True).encode()).hexdigest()[:12]
+    final = cache_dir / f"{name}-{key}" if cache_dir is not None else None
+    if final is not None and (final / "lengths.npy").is_file():
+        seqs = Sequences.load(final)
+        tqdm.write(f"{name}: {len(seqs)} cached target continuations from {final}")
+        return seqs
+    parts = final / "parts" if final is not None else None
+    if parts is not None:
+        parts.mkdir(parents=True, exist_ok=True)
+
+    # Batches never mix modes: [0, n_greedy) greedy, [n_greedy, n) sampled.
+    batches = [(lo, min(lo + batch_size, n_greedy), True) for lo in range(0, n_greedy, batch_size)]
+    batches += [(lo, min(lo + batch_size, n), False) for lo in range(n_greedy, n, batch_size)]
+    rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
+    bar = tqdm(total=n, desc=f"generate {name}", unit="seq", dynamic_ncols=True, smoothing=0.1,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    t0, made = time.perf_counter(), 0
+    for i, (lo, hi, greedy) in enumerate(batches):
+        part = parts / f"{lo:07d}.npy" if parts is not None else None
+        if part is not None and part.is_file():
+            rows[lo:hi] = np.load(part)
+        else:
+            chunk = prompts[lo:hi]
+            chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one batch shape: one compile
+            result = target.generate(
+                chunk, gen_tokens, temperature=0.0 if greedy else temperature, seed=seed + i,
+                capacity=capacity,
+            )
+            for r, (p, c) in enumerate(zip(chunk[: hi - lo], result.tokens)):
+                seq = list(p) + list(c)
+                rows[lo + r, 0], rows[lo + r, 1] = len(p), len(seq)
+                rows[lo + r, 2 : 2 + len(seq)] = seq
+                made += len(c)
+            if part is not None:
+                np.save(part.with_suffix(".tmp.npy"), rows[lo:hi])
+                os.replace(part.with_suffix(".tmp.npy"), part)
+        bar.update(hi - lo)
+        bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
+    bar.close()
+    seqs = Sequences(rows[:, 2:].copy(), rows[:, 0].copy(), rows[:, 1].copy())
+    if final is not None:
+        seqs.save(final)
+        (final / "meta.json").write_text(json.dumps({
+            "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
+            "gen_tokens": gen_tokens,
+            "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
+        }, indent=2))
+        shutil.rmtree(parts, ignore_errors=True)
+    return seqs
+
+
+# --------------------------------------------------------------------------- anchors and batches
+
+
+def anchor_range(prompt_len: int, length: int, block_size: int, region: str) -> tuple[int, int]:
+    """Inclusive [lo, hi] of anchor positions for one sequence (hi < lo: none)."""
+    lo = prompt_len if region == "continuation" else 0
+    hi = length - block_size  # all H labels inside the sequence
+    if hi < lo:  # a continuation cut short by EOS: keep what labels there are (the rest masked)
+        hi = length - 2
+    return lo, hi
+
+
+def sample_anchors(rng: np.random.Generator, lo: int, hi: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """`count` distinct anchors in [lo, hi] (sorted) and a validity mask; too few -> padded invalid."""
+    anchors, valid = np.zeros(count, np.int32), np.zeros(count, bool)
+    if hi >= lo:
+        span = hi - lo + 1
+        got = np.sort(lo + rng.choice(span, size=min(count, span), replace=False))
+        anchors[: len(got)], valid[: len(got)] = got, True
+        anchors[len(got):] = lo
+    return anchors, valid
+
+
+class AnchorBatches:
+    """Deterministic, resumable batches of sequences + anchors.
+
+    batch_at(step) -> {"tokens": [B, S] int32, "anchors": [B, A] int32,
+    "anchor_valid": [B, A] bool, "lengths": [B] int32}. Sequence order is an
+    epoch-wise permutation seeded by (seed, epoch); anchors are seeded by
+    (seed, step, row). No state, so a resumed run sees the same batches.
+    """
+
+    def __init__(self, seqs: Sequences, batch_size: int, anchors_per_seq: int, block_size: int,
+                 region: str = "continuation", seed: int = 0):
+        if len(seqs) == 0:
+            raise ValueError("no training sequences")
+        self.seqs, self.B, self.A, self.Kb = seqs, batch_size, anchors_per_seq, block_size
+        self.region, self.seed = region, seed
+        self._perm: dict[int, np.ndarray] = {}
+        ranges = [anchor_range(int(p), int(n), block_size, region) for p, n in zip(seqs.prompt_lens, seqs.lengths)]
+        self.ranges = np.asarray(ranges, np.int64).reshape(-1, 2)
+        if not (self.ranges[:, 1] >= self.ranges[:, 0]).any():
+            raise ValueError("no sequence is long enough for one anchor; generate longer continuations")
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm:
+            if len(self._perm) >= 2:
+                self._perm.pop(min(self._perm))
+            self._perm[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
+        return self._perm[epoch]
+
+    def rows_at(self, step: int) -> np.ndarray:
+        samples = step * self.B + np.arange(self.B)
+        return np.array([self._order(int(s) // len(self.seqs))[int(s) % len(self.seqs)] for s in samples])
+
+    def batch_at(self, step: int) -> dict:
+        return self.batch_of(self.rows_at(step), np.random.default_rng([self.seed, 1 << 20, step]))
+
+    def batch_of(self, rows: np.ndarray, rng: np.random.Generator) -> dict:
+        anchors, valid = zip(*(sample_anchors(rng, *self.ranges[r], self.A) for r in rows))
+        return {
+            "tokens": self.seqs.tokens[rows].astype(np.int32),
+            "anchors": np.stack(anchors),
+            "anchor_valid": np.stack(valid),
+            "lengths": self.seqs.lengths[rows].astype(np.int32),
+        }
+
+    def fixed_batches(self, seed: int = 12345) -> list[dict]:
+        """Every sequence once, in order, with fixed anchors (validation); the last batch is padded invalid."""
+        rng = np.random.default_rng([seed])
+        out = []
+        for lo in range(0, len(self.seqs), self.B):
+            rows = np.arange(lo, min(lo + self.B, len(self.seqs)))
+            pad = self.B - len(rows)
+            batch = self.batch_of(np.concatenate([rows, np.full(pad, rows[0])]), rng)
+            batch["anchor_valid"][len(rows):] = False
+            out.append(batch)
+        return out
+
+
+def sequences_from_pairs(pairs, gen_tokens: int, max_prompt_tokens: int | None, seq_multiple: int = 16) -> Sequences:
+    """Given prompt + response pairs as Sequences (prompts keep their last tokens, responses their first)."""
+    rows = [((p[-max_prompt_tokens:] if max_prompt_tokens else p), r[:gen_tokens]) for p, r in pairs]
+    width = -(-max(len(p) + len(r) for p, r in rows) // seq_multiple) * seq_multiple
+    tokens = np.full((len(rows), width), PAD_ID, np.int32)
+    for i, (p, r) in enumerate(rows):
+        tokens[i, : len(p) + len(r)] = p + r
+    return Sequences(tokens, np.array([len(p) for p, _ in rows], np.int32),
+                     np.array([len(p) + len(r) for p, r in rows], np.int32))

@@ -1,0 +1,51 @@
+"""Training presets: JSON files shipped inside the package (train/presets/<stage>_<name>.json).
+
+`--preset NAME` finds train/presets/<stage>_NAME.json wherever the package is
+installed (they are package data, so a wheel carries them); a value with a
+suffix or a path separator is read as a file path instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def known_presets(stage: str) -> list[str]:
+    return sorted(p.stem.removeprefix(f"{stage}_") for p in PRESET_DIR.glob(f"{stage}_*.json"))
+
+
+def preset_path(stage: str, name_or_path: str) -> Path:
+    """The preset file of `stage` ("target", "drafter") named `name_or_path`; ValueError listing the known ones."""
+    path = Path(name_or_path)
+    if path.suffix or len(path.parts) > 1:
+        if not path.is_file():
+            raise ValueError(f"preset file {str(path)!r} does not exist; give a JSON file or one of the "
+                             f"{stage} presets: {', '.join(known_presets(stage))}")
+        return path
+    path = PRESET_DIR / f"{stage}_{name_or_path}.json"
+    if not path.is_file():
+        raise ValueError(f"no {stage} preset {name_or_path!r}; known: {', '.join(known_presets(stage))} "
+                         f"(or give the path of a JSON file)")
+    return path
+
+
+def read_preset(stage: str, name_or_path: str) -> tuple[Path, dict]:
+    path = preset_path(stage, name_or_path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the preset ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a preset is a JSON object of sections")
+    return path, raw
+
+
+def add_preset_flag(parser, stage: str, tiny: str) -> None:
+    """--preset NAME|FILE for a stage's CLI, listing the shipped presets."""
+    parser.add_argument("--preset", default="default",
+                        help=f"{stage} preset: one of {', '.join(known_presets(stage))} "
+                             f"(train/presets/{stage}_NAME.json, shipped with the package; 'tiny' {tiny}) or a JSON "
+                             f"file path; a preset overrides the built-in values below, a flag overrides the preset")
