@@ -186,10 +186,12 @@ def test_mixed_batch_repeating_and_random_text_is_lossless(models):
     repeating = tok.encode("x = 1\ny = 2\n" * 12)
     noise = rng.integers(10, models.target.config.vocab_size, size=40).tolist()
     want = models.target.generate([repeating, noise], 48)
-    costs = (4.0, 9.0, 10.0, 12.0, 16.0)  # ms per round, about this CPU's shape (AR, 4, 8, 16, 32)
+    costs = (4.0, 5.0, 5.0, 6.0, 7.0)  # accelerator-like: a round costs little more than an AR step
     dec = SpeculativeDecoder(models.target, models.drafter, "adaptive", 32, costs=costs)
     got = dec.generate([repeating, noise], 48)
     assert got.tokens == want.tokens
     accepted = got.stats["accepted_lengths"]
-    assert max(accepted[0]) > 4 and np.mean(accepted[0]) > np.mean(accepted[1])
-    assert got.stats["budgets"][0] == 32 and any(b > 0 for b in got.stats["budgets"][1:])
+    assert np.mean(accepted[0]) > np.mean(accepted[1])
+    # Trees while the repeating text pays for both; AR steps once only the noise is left.
+    budgets = got.stats["budgets"]
+    assert budgets[0] == 32 and any(b > 0 for b in budgets[1:]) and budgets[-1] == 0, budgets

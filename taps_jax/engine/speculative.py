@@ -29,7 +29,7 @@ from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
 from taps_jax.engine.sampling import sample
 from taps_jax.models.cache import KVCache
-from taps_jax.sharding import constrain_batch, constrain_kv_cache
+from taps_jax.sharding import _current_mesh as current_mesh, constrain_batch, constrain_kv_cache
 from taps_jax.models.drafter import DrafterCache, draft_logits
 from taps_jax.tree.accept import accept_walk
 from taps_jax.tree.policies import TreeConfig, draft_tree
@@ -343,9 +343,11 @@ def commit_branch(s: SpecState, out) -> SpecState:
     """Write a branch's accepted target K/V and absorbed drafter context in place (outside the switch)."""
     fields, (k, v, commit_B), (dk, dv, absorbed_B) = out
     # Running sequences have lengths + T <= capacity (stop_reason), so the A slots fit; a finished
-    # sequence's cache is never read again.
-    cache = s.cache.write_rows(k, v)
-    dcache = s.dcache.write_rows(dk, dv)
+    # sequence's cache is never read again. A batch split over devices takes one scatter instead of a
+    # per-row update at a dynamic index of the sharded axis.
+    write = "write_rows" if current_mesh() is None else "write_all"
+    cache = getattr(s.cache, write)(k, v)
+    dcache = getattr(s.dcache, write)(dk, dv)
     return _pin(s.replace(cache=cache.replace(lengths_B=cache.lengths_B + commit_B),
                           dcache=dcache.replace(lengths_B=dcache.lengths_B + absorbed_B), **fields))
 

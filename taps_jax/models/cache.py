@@ -104,6 +104,19 @@ class KVCache:
 
         return jax.lax.fori_loop(0, k_LBTKH.shape[1], row, self)
 
+    def write_all(self, k_LBTKH, v_LBTKH) -> "KVCache":
+        """`write_rows` as one scatter per tensor (slots past the capacity dropped): for a batch split over devices."""
+        B, T = k_LBTKH.shape[1:3]
+        batch_B1 = jnp.arange(B)[:, None]
+        slots_BT = self.lengths_B[:, None] + jnp.arange(T)[None, :]
+        # Index arrays around sliced axes put their [B, T] first, then L, K, H.
+        return self.replace(
+            k_LBKHS=self.k_LBKHS.at[:, batch_B1, :, :, slots_BT].set(
+                k_LBTKH.transpose(1, 2, 0, 3, 4).astype(self.k_LBKHS.dtype), mode="drop"),
+            v_LBKSH=self.v_LBKSH.at[:, batch_B1, :, slots_BT].set(
+                v_LBTKH.transpose(1, 2, 0, 3, 4).astype(self.v_LBKSH.dtype), mode="drop"),
+        )
+
     def gather_commit(self, index_BA, count_B) -> "KVCache":
         """Commit `count_B` of the slots written by the last forward.
 
