@@ -209,9 +209,10 @@ class SpeculativeDecoder:
             costs = self.costs
             if costs is None:
                 with sharding.use_mesh(mesh):
-                    costs = branch_costs(args, kwargs)
+                    costs = branch_costs(args, kwargs, max_new_tokens)
             self.branch_costs = tuple(costs)  # the last call's, for reports
             kwargs["costs_K"] = np.asarray(costs, np.float32)
+            kwargs.update(force=np.int32(-1), max_rounds=np.int32(max_new_tokens))
         return ids, args, kwargs
 
     def generate(

@@ -1,10 +1,8 @@
 """Cost of one round of each adaptive branch, measured once per device kind and shape, cached on disk.
 
-A branch's round is timed as the generate loop runs it (draft, select,
-verify, commit fused in one program; an AR step with its share of the
-drafter's context absorption), a few rounds per call from the real
-post-prefill state of the batch being decoded, median of interleaved
-repeats. The figures depend on the device, the models, the branch budgets,
+A branch's round is timed in the generate program itself (so nothing more
+compiles): forced to one branch every round and stopped after a few
+rounds, on the batch being decoded, median of interleaved repeats. The figures depend on the device, the models, the branch budgets,
 the batch and the cache capacity, which together key the cache file
 (`$TAPS_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/taps-jax`, else
 `~/.cache/taps-jax`; `adaptive_costs.json`). Delete that file to measure
@@ -14,7 +12,6 @@ again (e.g. after a hardware change the key does not see).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -26,7 +23,6 @@ import jax
 import numpy as np
 
 from taps_jax.engine import speculative as spec
-from taps_jax.engine.stages import init_jit
 
 CACHE_FILE = "adaptive_costs.json"
 _memory: dict[str, tuple[float, ...]] = {}
@@ -37,18 +33,6 @@ def cache_dir() -> Path:
         return Path(os.environ["TAPS_JAX_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "taps-jax"
-
-
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "scorer_graphdef", "config"))
-def _branch_rounds(target_graphdef, target_params, drafter_graphdef, drafter_params, state, branch, rounds, *,
-                   config, scorer_graphdef=None, scorer_params=None):
-    """`rounds` rounds of branch `branch` from `state` (finished sequences still compute, as in the loop)."""
-    target, drafter, scorer = spec._merge(target_graphdef, target_params, drafter_graphdef, drafter_params,
-                                          scorer_graphdef, scorer_params, config)
-    branches = [functools.partial(spec.branch_step, target, drafter, scorer, config=config, budget=m)
-                for m in config.adaptive.budgets]
-    return jax.lax.fori_loop(0, rounds, lambda _, s: spec.commit_branch(s, jax.lax.switch(branch, branches, s)[0]),
-                             state)
 
 
 def cost_key(args, kwargs) -> str:
@@ -74,35 +58,34 @@ def cost_key(args, kwargs) -> str:
     return json.dumps(facts, sort_keys=True)
 
 
-def measure(args, kwargs, repeats: int = 5) -> tuple[float, ...]:
-    """Milliseconds per round of each branch (median of `repeats`, interleaved across branches)."""
-    tg, tp, dg, dp, prompt, lens, active, key = args
-    config = kwargs["config"]
-    static = dict(target_graphdef=tg, drafter_graphdef=dg, scorer_graphdef=kwargs.get("scorer_graphdef"),
-                  config=config)
-    params = (tp, dp, kwargs.get("scorer_params"))
-    state = init_jit(params, prompt, lens, active, key, **static)
-    extra = {"scorer_graphdef": kwargs.get("scorer_graphdef"), "scorer_params": kwargs.get("scorer_params")}
-    A = state.ctx_taps_BAF.shape[1]
-    budgets = config.adaptive.budgets
-    # AR steps: A + 1 rounds include one absorption of the pending context, as a run of AR steps does.
-    rounds = [A + 1 if m == 0 else 4 for m in budgets]
+def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float, ...]:
+    """Milliseconds per round of each branch (median of `repeats`, interleaved across branches).
 
-    def run(k):
-        return _branch_rounds(tg, tp, dg, dp, state, k, rounds[k], config=config, **extra)
+    The generate program itself (no second compile) runs one branch every
+    round (`force`), stopped after r1 and after r2 rounds (`max_rounds`);
+    the difference divided by the rounds between leaves out the prefill.
+    """
+    budgets = kwargs["config"].adaptive.budgets
 
-    for k in range(len(budgets)):
-        jax.block_until_ready(run(k))  # compile once, warm every branch
+    def run(k, rounds):
+        kw = dict(kwargs, costs_K=np.ones(len(budgets), np.float32), force=np.int32(k), max_rounds=np.int32(rounds))
+        start = time.perf_counter()
+        out = jax.block_until_ready(spec.spec_generate(*args, **kw))
+        return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
+
+    # 16 AR steps include about one absorption of the queued taps (block size 16); trees: 5 rounds.
+    r1, r2 = 1, max(2, min(max_new_tokens, 17))
+    jax.block_until_ready(run(0, r1))  # compile (the program generate runs) and warm
     times = [[] for _ in budgets]
     for _ in range(repeats):
         for k in range(len(budgets)):
-            start = time.perf_counter()
-            jax.block_until_ready(run(k))
-            times[k].append((time.perf_counter() - start) * 1e3 / rounds[k])
-    return tuple(statistics.median(t) for t in times)
+            t1, n1 = run(k, r1)
+            t2, n2 = run(k, r2 if budgets[k] == 0 else min(r2, 6))
+            times[k].append((t2 - t1) / (n2 - n1) * 1e3 if n2 > n1 else t2 / max(n2, 1) * 1e3)
+    return tuple(max(statistics.median(t), 1e-3) for t in times)
 
 
-def branch_costs(args, kwargs) -> tuple[float, ...]:
+def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
     """Cached per-branch costs (ms per round) for these inputs of `spec_generate`, measured on a miss."""
     key = cost_key(args, kwargs)
     if key in _memory:
@@ -116,7 +99,7 @@ def branch_costs(args, kwargs) -> tuple[float, ...]:
     if entry and len(entry.get("ms", ())) == len(kwargs["config"].adaptive.budgets):
         costs = tuple(float(c) for c in entry["ms"])
     else:
-        costs = measure(args, kwargs)
+        costs = measure(args, kwargs, max_new_tokens)
         table = table if isinstance(table, dict) else {}
         table[key] = {"ms": list(costs), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         try:

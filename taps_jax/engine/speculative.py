@@ -352,8 +352,12 @@ def commit_branch(s: SpecState, out) -> SpecState:
                           dcache=dcache.replace(lengths_B=dcache.lengths_B + absorbed_B), **fields))
 
 
-def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: SpecConfig):
-    """The generate loop of the adaptive policy: per round, choose a branch, run it, update the statistics."""
+def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: SpecConfig, force=-1, max_rounds=None):
+    """The generate loop of the adaptive policy: per round, choose a branch, run it, update the statistics.
+
+    force >= 0: run that branch every round; max_rounds: stop after that many
+    rounds (both data, for the calibration: `taps_jax.engine.calibrate`).
+    """
     ac = config.adaptive
     branches = [functools.partial(branch_step, target, drafter, scorer, config=config, budget=m) for m in ac.budgets]
 
@@ -361,18 +365,21 @@ def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: Sp
         s, st = carry
         running_B = s.finish_B == RUNNING
         k, probe = adapt.choose(st, running_B, costs_K, ac)
+        k = jnp.where(force >= 0, force, k)
         out, accepted_BK = jax.lax.switch(k, branches, s)
         return commit_branch(s, out), adapt.update(st, k, probe, accepted_BK, running_B, costs_K, ac)
 
     st = adapt.AdaptiveState.init(state.bonus_B.shape[0], config.decode.max_new_tokens, ac)
-    return jax.lax.while_loop(lambda c: jnp.any(c[0].finish_B == RUNNING), body, (state, st))
+    max_rounds = config.decode.max_new_tokens if max_rounds is None else max_rounds
+    return jax.lax.while_loop(lambda c: jnp.any(c[0].finish_B == RUNNING) & (c[1].round < max_rounds), body,
+                              (state, st))
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None,
 ):
     """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R]).
 
@@ -381,6 +388,8 @@ def spec_generate(
     TAPS trees), None otherwise. costs_K: adaptive only, the cost of one round
     of each branch (any unit; an array, so new costs do not recompile).
     branch: adaptive only, the branch index of each round (-1 after the last).
+    force, max_rounds: adaptive only, for the cost calibration (one branch
+    every round, at most that many rounds); data, so no new program.
     """
     target, drafter, scorer = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
@@ -388,7 +397,9 @@ def spec_generate(
     state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
     N = config.decode.max_new_tokens
     if config.adaptive is not None:
-        state, st = adaptive_loop(target, drafter, scorer, state, jnp.asarray(costs_K, jnp.float32), config)
+        state, st = adaptive_loop(target, drafter, scorer, state, jnp.asarray(costs_K, jnp.float32), config,
+                                  jnp.asarray(force, jnp.int32), None if max_rounds is None else
+                                  jnp.asarray(max_rounds, jnp.int32))
         branch_R = st.branch_R
     else:
         state = jax.lax.while_loop(
