@@ -139,6 +139,9 @@ class SpeculativeDecoder:
         elif costs is not None or adaptive is not None:
             raise ValueError(f"costs and adaptive are for policy 'adaptive', not {policy!r}")
         self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
+        # Each call's final per-branch estimates start the next call with the same sampling settings and costs.
+        self._priors = {}
+        self._no_prior = np.full((len(adaptive.budgets),), np.nan, np.float32) if self.adaptive else None
         if policy == "taps" or (policy == "adaptive" and scorer is not None):
             if scorer is None:
                 raise ValueError(
@@ -212,7 +215,8 @@ class SpeculativeDecoder:
                     costs = branch_costs(args, kwargs, max_new_tokens)
             self.branch_costs = tuple(costs)  # the last call's, for reports
             kwargs["costs_K"] = np.asarray(costs, np.float32)
-            kwargs.update(force=np.int32(-1), max_rounds=np.int32(max_new_tokens))
+            kwargs.update(force=np.int32(-1), max_rounds=np.int32(max_new_tokens),
+                          prior_K=self._priors.get((sampling, self.branch_costs), self._no_prior))
         return ids, args, kwargs
 
     def generate(
@@ -241,7 +245,7 @@ class SpeculativeDecoder:
             return self.target.generate(prompts, max_new_tokens, **options)
         ids, args, kwargs = self.prepare(prompts, max_new_tokens, **options)
         with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
-            out, n, finish, rounds, accepted, branch = map(sharding.to_host, spec_generate(*args, **kwargs))
+            out, n, finish, rounds, accepted, branch, est = map(sharding.to_host, spec_generate(*args, **kwargs))
         rounds, accepted = rounds[: len(ids)], accepted[: len(ids)]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(len(ids))]
         total_rounds = int(rounds.sum())
@@ -253,6 +257,8 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             # One branch per round for the whole batch: the budget each round verified (0 = an AR step).
             stats["budgets"] = [self.adaptive.budgets[k] for k in branch.tolist() if k >= 0]
+            key = (kwargs["config"].decode.sampling, self.branch_costs)
+            self._priors[key] = np.where(np.isnan(est), self._priors.get(key, est), est).astype(np.float32)
         return self.target._result(out, n, finish, len(ids), stats)
 
 

@@ -58,9 +58,15 @@ def test_ties_pick_the_cheapest_and_probing_is_rare():
     assert got.stats["budgets"][0] == 16  # the first round probes the largest tree
     # Equal costs: a tree accepts at least the one token an AR step emits, so the AR step never wins.
     assert 0 not in got.stats["budgets"] and len(set(got.stats["budgets"])) >= 1
-    expensive = SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(1, 50, 50, 50, 50)).generate(PROMPTS, 48)
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(1, 50, 50, 50, 50))
+    expensive = dec.generate(PROMPTS, 48)
     assert expensive.tokens == want
     assert expensive.stats["budgets"][0] == 16 and set(expensive.stats["budgets"][1:]) == {0}
+    # The next call starts from this one's estimates: no probe at its start (the wait is 20x a probe's cost).
+    again = dec.generate(PROMPTS, 48)
+    assert again.tokens == want and set(again.stats["budgets"]) == {0}
+    # Other sampling settings have their own estimates: that call probes first again.
+    assert dec.generate(PROMPTS, 8, temperature=1.0).stats["budgets"][0] == 16
 
 
 def test_counterfactual_accepted_lengths_match_smaller_trees():

@@ -17,7 +17,10 @@ have accepted from the same draft and target samples: the accepted path's
 nodes ranked below m. Larger budgets are re-measured by probing the largest
 branch once the cost spent since its last run exceeds cost_max /
 probe_fraction (so probing costs at most about that fraction), the wait
-doubling each time a probe leaves the choice unchanged.
+doubling each time a probe leaves the choice unchanged. The first round
+probes it too, unless the call starts from a prior (the estimates a
+previous call of the same decoder and sampling settings ended with), so
+exploration is not paid again on every call.
 """
 
 from __future__ import annotations
@@ -74,13 +77,19 @@ class AdaptiveState:
     branch_R: jax.Array  # [R] int32 branch index of each round (-1: none)
 
     @classmethod
-    def init(cls, batch: int, rounds: int, config: AdaptiveConfig) -> AdaptiveState:
+    def init(cls, batch: int, rounds: int, config: AdaptiveConfig, prior_K=None, costs_K=None) -> AdaptiveState:
+        """prior_K: [K] accepted-length estimates to start from (NaN: none; e.g. the previous call's)."""
         K = len(config.budgets)
+        prior_K = jnp.full((K,), jnp.nan, jnp.float32) if prior_K is None else jnp.asarray(prior_K, jnp.float32)
+        seen_K = ~jnp.isnan(prior_K) | (jnp.arange(K) == 0)  # an AR step emits exactly one token
+        known = jnp.all(seen_K)
         return cls(
-            est_BK=jnp.ones((batch, K), jnp.float32),
-            seen_K=jnp.zeros((K,), bool).at[0].set(True),  # an AR step emits exactly one token
+            est_BK=jnp.broadcast_to(jnp.where(jnp.isnan(prior_K), 1.0, prior_K), (batch, K)),
+            seen_K=seen_K,
             spent=jnp.zeros((), jnp.float32),
-            wait=jnp.zeros((), jnp.float32),
+            # With every branch estimated, the first probe waits as after one; else round 0 probes.
+            wait=jnp.where(known, costs_K[-1] / config.probe_fraction, 0.0) if costs_K is not None
+            else jnp.zeros((), jnp.float32),
             backoff=jnp.zeros((), jnp.int32),
             round=jnp.zeros((), jnp.int32),
             branch_R=jnp.full((rounds,), -1, jnp.int32),
@@ -100,7 +109,7 @@ def choose(st: AdaptiveState, running_B, costs_K, config: AdaptiveConfig) -> tup
     if config.force_cycle:  # largest first, then each smaller one down to the AR step, and again
         k = (K - 1 - st.round % K).astype(jnp.int32)
         return k, k == K - 1
-    probe = (st.round == 0) | (st.spent >= st.wait)
+    probe = ((st.round == 0) & ~jnp.all(st.seen_K)) | (st.spent >= st.wait)
     return jnp.where(probe, K - 1, best_branch(st, running_B, costs_K)), probe
 
 
@@ -132,6 +141,13 @@ def update(st: AdaptiveState, k, probe, accepted_BK, running_B, costs_K, config:
         round=st.round + 1,
         branch_R=st.branch_R.at[jnp.minimum(st.round, R)].set(k, mode="drop"),
     )
+
+
+def estimates(st: AdaptiveState, ran_B) -> jax.Array:
+    """[K] mean estimate over the sequences that ran (NaN for branches never seen): the next call's prior."""
+    w_B = ran_B.astype(jnp.float32)
+    mean_K = jnp.sum(st.est_BK * w_B[:, None], axis=0) / jnp.maximum(jnp.sum(w_B), 1.0)
+    return jnp.where(st.seen_K & jnp.any(ran_B), mean_K, jnp.nan)
 
 
 def tree_ranks(tree: Tree, score_BN) -> jax.Array:

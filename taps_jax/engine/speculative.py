@@ -352,7 +352,8 @@ def commit_branch(s: SpecState, out) -> SpecState:
                           dcache=dcache.replace(lengths_B=dcache.lengths_B + absorbed_B), **fields))
 
 
-def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: SpecConfig, force=-1, max_rounds=None):
+def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: SpecConfig, force=-1, max_rounds=None,
+                  prior_K=None):
     """The generate loop of the adaptive policy: per round, choose a branch, run it, update the statistics.
 
     force >= 0: run that branch every round; max_rounds: stop after that many
@@ -369,7 +370,7 @@ def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: Sp
         out, accepted_BK = jax.lax.switch(k, branches, s)
         return commit_branch(s, out), adapt.update(st, k, probe, accepted_BK, running_B, costs_K, ac)
 
-    st = adapt.AdaptiveState.init(state.bonus_B.shape[0], config.decode.max_new_tokens, ac)
+    st = adapt.AdaptiveState.init(state.bonus_B.shape[0], config.decode.max_new_tokens, ac, prior_K, costs_K)
     max_rounds = config.decode.max_new_tokens if max_rounds is None else max_rounds
     return jax.lax.while_loop(lambda c: jnp.any(c[0].finish_B == RUNNING) & (c[1].round < max_rounds), body,
                               (state, st))
@@ -379,9 +380,9 @@ def adaptive_loop(target, drafter, scorer, state: SpecState, costs_K, config: Sp
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
 ):
-    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R]).
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [K]).
 
     scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
     `taps_jax.tree.scorer.Scorer`), required by policy "taps" (and adaptive
@@ -390,6 +391,8 @@ def spec_generate(
     branch: adaptive only, the branch index of each round (-1 after the last).
     force, max_rounds: adaptive only, for the cost calibration (one branch
     every round, at most that many rounds); data, so no new program.
+    prior_K / estimates: adaptive only, per-branch accepted-length estimates
+    the loop starts from (NaN: none) / ends with (the next call's prior).
     """
     target, drafter, scorer = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
@@ -399,8 +402,9 @@ def spec_generate(
     if config.adaptive is not None:
         state, st = adaptive_loop(target, drafter, scorer, state, jnp.asarray(costs_K, jnp.float32), config,
                                   jnp.asarray(force, jnp.int32), None if max_rounds is None else
-                                  jnp.asarray(max_rounds, jnp.int32))
+                                  jnp.asarray(max_rounds, jnp.int32), prior_K)
         branch_R = st.branch_R
+        est_K = adapt.estimates(st, state.rounds_B > 0)
     else:
         state = jax.lax.while_loop(
             lambda s: jnp.any(s.finish_B == RUNNING),
@@ -408,4 +412,6 @@ def spec_generate(
             state,
         )
         branch_R = jnp.full((N,), -1, jnp.int32)
-    return state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR, branch_R
+        est_K = jnp.zeros((0,), jnp.float32)
+    return (state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR, branch_R,
+            est_K)
