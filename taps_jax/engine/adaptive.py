@@ -87,10 +87,11 @@ class AdaptiveState:
             est_BK=jnp.broadcast_to(jnp.where(jnp.isnan(prior_K), 1.0, prior_K), (batch, K)),
             seen_K=seen_K,
             spent=jnp.zeros((), jnp.float32),
-            # With every branch estimated, the first probe waits as after one; else round 0 probes.
-            wait=jnp.where(known, costs_K[-1] / config.probe_fraction, 0.0) if costs_K is not None
-            else jnp.zeros((), jnp.float32),
-            backoff=jnp.zeros((), jnp.int32),
+            # With every branch estimated (a prior), the first probe waits as after two that changed
+            # nothing (calls are short: a wait reset per call would probe in each); else round 0 probes.
+            wait=jnp.where(known, costs_K[-1] / config.probe_fraction * 2.0 ** min(2, config.max_backoff), 0.0)
+            if costs_K is not None else jnp.zeros((), jnp.float32),
+            backoff=jnp.where(known, min(2, config.max_backoff), 0).astype(jnp.int32),
             round=jnp.zeros((), jnp.int32),
             branch_R=jnp.full((rounds,), -1, jnp.int32),
         )
