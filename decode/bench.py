@@ -1,17 +1,23 @@
 """`taps-bench`: AR and speculative policies side by side, in one process.
 
 Each configuration first runs the whole prompt set once untimed (compiles
-every (batch, length) bucket), then once timed; compile time is reported
-separately and never mixed into tokens/s. Greedy rows are checked token for
-token against AR. Per-stage costs (draft / select / verify) come from timing
-the jitted stages in isolation on a real decoding state, so the measured run
-is not perturbed.
+every (batch, length) bucket; for the adaptive policy also the one-off cost
+calibration), then `--repeats` timed passes in which AR and every policy
+row take turns batch by batch, so drift of a shared machine hits all rows
+alike; each row reports the median and min/max tokens/s and the median of
+its per-repeat speedups over AR, and a warning says when AR's own repeats
+differ by more than 10%. Compile time is reported separately and never
+mixed into tokens/s. Greedy rows are checked token for token against AR.
+Per-stage costs (draft / select / verify) come from timing the jitted
+stages in isolation on a real decoding state, so the measured run is not
+perturbed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="long-prompt mode: UTF-8 text to cut the prompts from (default: the held-out split of "
                         "the stdlib corpus the embedded set never trained on)")
     p.add_argument("--repeats", type=positive_int, default=3,
-                   help="long-prompt mode: timed repeats per row, interleaved across rows (default 3; median, min, max)")
+                   help="timed passes per row, interleaved across rows (default 3; median, min, max)")
     p.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK,
                    help=f"prompt tokens per prefill step (default {PREFILL_CHUNK})")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
@@ -86,21 +92,47 @@ def _batches(prompts, size):
     return [prompts[i: i + size] for i in range(0, len(prompts), size)]
 
 
-def _run(decoder, batches, args, desc):
-    """Untimed warm-up pass, then a timed pass; returns tokens, stats, seconds, compile seconds."""
+BUSY_SPREAD = 1.1  # AR max/min tokens/s across repeats above this: the machine was busy
+
+
+def _warm(decoders, batches, args):
+    """One untimed pass per row (compiles, calibration): {name: (tokens, accepted per round, budgets, seconds, compiles)}."""
     kw = dict(temperature=args.temperature, seed=args.seed)
-    start = time.perf_counter()
-    for batch in batches:
-        decoder.generate(batch, args.max_new_tokens, **kw)
-    warm = time.perf_counter() - start
-    tokens, per_round = [], []
-    start = time.perf_counter()
-    for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
-        res = decoder.generate(batch, args.max_new_tokens, **kw)
-        tokens += res.tokens
-        per_round += res.stats.get("accepted_lengths", [])
-    seconds = time.perf_counter() - start
-    return tokens, per_round, seconds, max(warm - seconds, 0.0)
+    out = {}
+    for name, dec in tqdm(decoders.items(), desc="compile", unit="row", leave=False):
+        counter = ar_generate if dec.policy == "ar" else spec_generate
+        c0 = counter._cache_size()
+        tokens, per_round, budgets = [], [], []
+        start = time.perf_counter()
+        for batch in batches:
+            res = dec.generate(batch, args.max_new_tokens, **kw)
+            tokens += res.tokens
+            per_round += res.stats.get("accepted_lengths", [])
+            budgets += res.stats.get("budgets", [])
+        out[name] = (tokens, per_round, budgets, time.perf_counter() - start, counter._cache_size() - c0)
+    return out
+
+
+def _timed(decoders, batches, args) -> dict:
+    """{name: [seconds of each repeat]}: per batch, every row in turn (rotated each repeat), so drift hits all rows."""
+    kw = dict(temperature=args.temperature, seed=args.seed)
+    names = list(decoders)
+    seconds = {name: [0.0] * args.repeats for name in names}
+    bar = tqdm(total=args.repeats * len(batches), desc="timing", unit="batch", leave=False)
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for batch in batches:
+            for name in order:
+                start = time.perf_counter()
+                decoders[name].generate(batch, args.max_new_tokens, **kw)
+                seconds[name][r] += time.perf_counter() - start
+            bar.update()
+    bar.close()
+    return seconds
+
+
+def _spread(values) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv=None) -> int:
@@ -127,44 +159,61 @@ def main(argv=None) -> int:
     batches = _batches(prompts, args.batch_size)
     greedy = args.temperature == 0
 
-    ar = SpeculativeDecoder(models.target, None, "ar", prefill_chunk=args.prefill_chunk)
-    compiles0 = ar_generate._cache_size()
-    ar_tokens, _, ar_seconds, ar_compile = _run(ar, batches, args, "ar")
+    rows = {("ar", None): SpeculativeDecoder(models.target, None, "ar", prefill_chunk=args.prefill_chunk), **decoders}
+    warm = _warm(rows, batches, args)
+    seconds = _timed(rows, batches, args)
+    ar_tokens = warm[("ar", None)][0]
     n_ar = sum(map(len, ar_tokens))
+    ar_tps = [n_ar / t for t in seconds[("ar", None)]]
+    ar_spread = max(ar_tps) / min(ar_tps)
     prompt_ids = models.target.encode(prompts)
     report = {
         "config": {
             "prompts": str(prompts_file), "num_prompts": len(prompts), "policies": args.policies,
             "budgets": args.budgets, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype, "mesh": args.mesh,
+            "repeats": args.repeats, "device": jax.devices()[0].device_kind,
             "block_size": models.drafter.config.block_size if models.drafter else None,
         },
-        "ar": {"tokens_per_s": n_ar / ar_seconds, "tokens": n_ar, "seconds": ar_seconds,
-               "compile_s": ar_compile, "compiles": ar_generate._cache_size() - compiles0,
+        "ar": {"tokens_per_s": statistics.median(ar_tps), "tokens_per_s_min": min(ar_tps),
+               "tokens_per_s_max": max(ar_tps), "tokens": n_ar, "seconds": statistics.median(seconds[("ar", None)]),
+               "compile_s": max(warm[("ar", None)][3] - min(seconds[("ar", None)]), 0.0),
+               "compiles": warm[("ar", None)][4],
                "repeat_token_fraction": repetition_stats(prompt_ids, ar_tokens, [[]] * len(ar_tokens))["repeat_token_fraction"]},
+        "ar_spread": ar_spread,
+        "busy": ar_spread > BUSY_SPREAD,
         "results": [],
     }
-    for (policy, budget), decoder in tqdm(decoders.items(), desc="policies", unit="config"):
-        c0 = spec_generate._cache_size()
-        toks, per_round, seconds, compile_s = _run(decoder, batches, args, f"{policy}@{budget}")
+    for (policy, budget), decoder in decoders.items():
+        toks, per_round, budgets, warm_s, compiles = warm[(policy, budget)]
         n = sum(map(len, toks))
         rounds, accepted = sum(map(len, per_round)), sum(map(sum, per_round))
+        tps = [n / t for t in seconds[(policy, budget)]]
+        ratios = [a / b for a, b in zip(tps, ar_tps)]
+        speedup = statistics.median(ratios)
         row = {
             "policy": policy, "budget": budget,
             "tau": accepted / max(rounds, 1),
-            "tokens_per_s": n / seconds,
-            "speedup_vs_ar": (n / seconds) / report["ar"]["tokens_per_s"],
+            "tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+            "speedup_vs_ar": speedup, "speedup_min": min(ratios), "speedup_max": max(ratios),
             # tau that would give 2x at this measured cost per round: 2 * tau / speedup
-            "tau_for_2x": 2 * (accepted / max(rounds, 1)) / ((n / seconds) / report["ar"]["tokens_per_s"]),
-            "lossless": bool(greedy and toks == ar_tokens),
+            "tau_for_2x": 2 * (accepted / max(rounds, 1)) / speedup,
+            "lossless": (toks == ar_tokens) if greedy else None,
             "lossless_check": "token-identical to AR on every prompt" if greedy else
-                "not token-comparable at temperature > 0 (different random streams); "
+                "n/a: not token-comparable at temperature > 0 (different random streams); "
                 "distribution checked by the chi-square tests",
-            "rounds": rounds, "tokens": n, "seconds": seconds, "compile_s": compile_s,
-            "compiles": spec_generate._cache_size() - c0,
+            "rounds": rounds, "tokens": n, "seconds": statistics.median(seconds[(policy, budget)]),
+            "compile_s": max(warm_s - min(seconds[(policy, budget)]), 0.0),
+            "compiles": compiles,
             **repetition_stats(prompt_ids, toks, per_round),
         }
-        stages = {} if args.no_stages else stage_times_ms(decoder, batches[0], args.max_new_tokens)
+        if policy == "adaptive":
+            # The share of rounds each budget verified (0 = plain AR steps) and the calibrated round costs.
+            row["branch_rounds"] = {str(b): budgets.count(b) for b in decoder.adaptive.budgets}
+            row["branch_costs"] = dict(zip(map(str, decoder.adaptive.budgets), decoder.branch_costs))
+            stages = {}
+        else:
+            stages = {} if args.no_stages else stage_times_ms(decoder, batches[0], args.max_new_tokens)
         for stage in ("draft", "select", "verify"):
             row[f"{stage}_ms_per_round"] = stages.get(stage, float("nan"))
         report["results"].append(row)
@@ -184,7 +233,8 @@ def main(argv=None) -> int:
 
 
 def _decoder(models, policy, budget, temperature, prefill_chunk=PREFILL_CHUNK):
-    extra = {"scorer": models.scorer_for(temperature)} if policy == "taps" else {}
+    # adaptive: TAPS trees when the set has a scorer for this temperature, DDTree trees otherwise.
+    extra = {"scorer": models.scorer_for(temperature)} if policy in ("taps", "adaptive") else {}
     return SpeculativeDecoder(models.target, models.drafter, policy, budget, prefill_chunk=prefill_chunk, **extra)
 
 
@@ -213,18 +263,38 @@ def _long_prompt_main(args, models, decoders) -> int:
     return 0
 
 
+def _ms(value) -> str:
+    return "-" if value != value else f"{value:.2f}"  # NaN: not measured
+
+
 def _print_table(report) -> None:
     ar = report["ar"]
-    print(f"{'policy':<8} {'budget':>6} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'lossless':>8} "
-          f"{'draft':>7} {'select':>7} {'verify':>7} {'tau_novel':>9} {'copy%':>6} {'tau for 2x':>10}")
-    print(f"{'ar':<8} {'-':>6} {1.0:>6.2f} {ar['tokens_per_s']:>8.1f} {1.0:>8.2f} {'-':>8} {'':>7} {'':>7} {'':>7} "
-          f"{'':>9} {100 * ar['repeat_token_fraction']:>6.1f}")
+    reps = report["config"].get("repeats", 1)
+    print(f"{'policy':<8} {'budget':>6} {'tau':>6} {'tok/s':>8} {'(min-max)':>13} {'speedup':>8} {'(min-max)':>11} "
+          f"{'lossless':>8} {'compile s':>9} {'draft':>7} {'select':>7} {'verify':>7} {'tau_novel':>9} {'copy%':>6} "
+          f"{'tau for 2x':>10}")
+    spread = f"{ar['tokens_per_s_min']:.0f}-{ar['tokens_per_s_max']:.0f}"
+    print(f"{'ar':<8} {'-':>6} {1.0:>6.2f} {ar['tokens_per_s']:>8.1f} {spread:>13} {1.0:>8.2f} {'':>11} {'-':>8} "
+          f"{ar['compile_s']:>9.1f} {'':>7} {'':>7} {'':>7} {'':>9} {100 * ar['repeat_token_fraction']:>6.1f}")
     for r in report["results"]:
-        print(f"{r['policy']:<8} {r['budget']:>6} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} "
-              f"{r['speedup_vs_ar']:>8.2f} {str(r['lossless']):>8} {r['draft_ms_per_round']:>7.2f} "
-              f"{r['select_ms_per_round']:>7.2f} {r['verify_ms_per_round']:>7.2f} "
-              f"{r['tau_novel_rounds']:>9.2f} {100 * r['copy_accepted_fraction']:>6.1f} {r['tau_for_2x']:>10.2f}")
-    print("tau for 2x: the tau that would double AR's tokens/s at the measured cost per round.")
+        spread = f"{r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}"
+        speed = f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}"
+        lossless = "n/a" if r["lossless"] is None else str(r["lossless"])
+        print(f"{r['policy']:<8} {r['budget']:>6} {r['tau']:>6.2f} {r['tokens_per_s']:>8.1f} {spread:>13} "
+              f"{r['speedup_vs_ar']:>8.2f} {speed:>11} {lossless:>8} {r['compile_s']:>9.1f} "
+              f"{_ms(r['draft_ms_per_round']):>7} {_ms(r['select_ms_per_round']):>7} "
+              f"{_ms(r['verify_ms_per_round']):>7} {r['tau_novel_rounds']:>9.2f} "
+              f"{100 * r['copy_accepted_fraction']:>6.1f} {r['tau_for_2x']:>10.2f}")
+        if "branch_rounds" in r:
+            mix = ", ".join(f"{b}: {c}" for b, c in r["branch_rounds"].items())
+            costs = ", ".join(f"{b}: {c:.2f}" for b, c in r["branch_costs"].items())
+            print(f"{'':<8} rounds per budget ({mix}); calibrated ms per round ({costs})")
+    print(f"tok/s: median of {reps} interleaved repeats (min-max); speedup: median of the per-repeat ratios to AR. "
+          "tau for 2x: the tau that would double AR's tokens/s at the measured cost per round. "
+          "lossless n/a: sampled rows are not token-comparable (the chi-square tests check the law).")
+    if report.get("busy"):
+        print(f"warning: AR's tokens/s differed by x{report['ar_spread']:.2f} (max/min) across repeats: "
+              f"machine busy; figures unreliable")
     cost = report.get("verify_cost")
     if cost:
         print(f"target forward over T tree tokens ({cost['context']} cached), batch 1:")

@@ -34,6 +34,16 @@ def shard_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _costs(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, got {text!r}") from None
+    if not all(v > 0 and v != float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="taps-decode",
@@ -58,8 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_mesh_args(p)
     p.add_argument("--policy", choices=POLICIES, default="ddtree",
                    help="ar: plain autoregressive; chain: DFlash argmax path; ddtree: best-first tree (default); "
-                        "taps: learned target-aware tree (needs a scorer)")
-    p.add_argument("--budget", type=positive_int, default=32, help="non-root tree nodes verified per round (default 32)")
+                        "taps: learned target-aware tree (needs a scorer); adaptive: each round picks a budget up to "
+                        "--budget, down to a plain AR step, by expected tokens per unit cost (TAPS trees with a "
+                        "scorer, DDTree trees otherwise)")
+    p.add_argument("--budget", type=positive_int, default=32,
+                   help="non-root tree nodes verified per round (default 32); adaptive: the largest tree")
+    p.add_argument("--adaptive-costs", type=_costs, default=None, metavar="C0,C1,...",
+                   help="adaptive: cost of one round of each budget (0, budget/8, budget/4, budget/2, budget; "
+                        "any unit) instead of the calibration measured once per device and shape and cached "
+                        "under ~/.cache/taps-jax")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the top-k tokens when sampling (default 0 = off)")
@@ -89,6 +106,15 @@ def check_args(args) -> None:
     if args.prompts is not None and args.stream:
         raise ValueError("--stream is for a single --prompt; a job (--prompts) writes each result to --out as its "
                          "batch finishes")
+    if args.adaptive_costs is not None:
+        if args.policy != "adaptive":
+            raise ValueError("--adaptive-costs is for --policy adaptive; drop it or use --policy adaptive")
+        from taps_jax.engine.adaptive import AdaptiveConfig
+
+        budgets = AdaptiveConfig.for_budget(args.budget).budgets
+        if len(args.adaptive_costs) != len(budgets):
+            raise ValueError(f"--adaptive-costs needs {len(budgets)} values, one per budget "
+                             f"{','.join(map(str, budgets))} of --budget {args.budget}; got {len(args.adaptive_costs)}")
     for flag, value in (("--shard", args.shard), ("--force-new", args.force_new)):
         if args.prompts is None and value:
             raise ValueError(f"{flag} is for job mode; pass --prompts IN.jsonl --out OUT.jsonl too, or drop {flag}")
@@ -104,9 +130,11 @@ def build_decoder(args, mesh) -> SpeculativeDecoder:
                          "(train one with python -m train.scorer), or use --policy ddtree")
     if args.policy != "ar" and models.drafter is None:
         raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/, or use --policy ar")
+    extra = {"scorer": scorer} if args.policy in ("taps", "adaptive") else {}
+    if args.adaptive_costs is not None:
+        extra["costs"] = args.adaptive_costs
     return SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,
-                              prefill_chunk=args.prefill_chunk,
-                              **({"scorer": scorer} if args.policy == "taps" else {}))
+                              prefill_chunk=args.prefill_chunk, **extra)
 
 
 def open_cli_job(args, dirs: dict):
@@ -124,7 +152,7 @@ def main(argv=None) -> int:
     check_args(args)
     mesh = setup_mesh(args)
     dirs = model_part_dirs(args)
-    if args.policy == "taps" and dirs["scorer"] is not None:
+    if args.policy in ("taps", "adaptive") and dirs["scorer"] is not None:
         check_scorer_dir_for_target(dirs["scorer"], dirs["target"])
     if args.prompts is not None:
         from decode.jobs import decode_job

@@ -130,7 +130,7 @@ class JobSettings:
         SamplingConfig(temperature, top_k, top_p)  # bad values fail here, before a manifest records them
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        used = {"target": True, "drafter": policy != "ar", "scorer": policy == "taps"}
+        used = {"target": True, "drafter": policy != "ar", "scorer": policy in ("taps", "adaptive")}
         models = {name: digest for name, digest in models.items() if used.get(name, True)}
         greedy = temperature == 0
         return cls(policy, None if policy == "ar" else budget, models, dtype, max_new_tokens, float(temperature),

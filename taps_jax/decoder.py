@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -16,16 +15,17 @@ from taps_jax.calls import STREAM_CHUNK, GenerateCall, Programs
 from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
+from taps_jax.engine.adaptive import AdaptiveConfig
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import check_call, check_lengths, pad_batch
-from taps_jax.engine.prefill import PREFILL_CHUNK
+from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.engine.speculative import SpecConfig, spec_advance, spec_generate, spec_outputs, spec_start
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
 
-POLICIES = ("ar", "chain", "ddtree", "taps")
+POLICIES = ("ar", "chain", "ddtree", "taps", "adaptive")
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default"
 
 
@@ -67,8 +67,8 @@ def tree_config(policy: str, budget: int, vocab_size: int, lattice_k: int | None
     For "taps" the same default pool holds DDTree's top-M set, and the scorer
     re-ranks the H * W pool nodes.
     """
-    if policy not in POLICIES or policy == "ar":
-        raise ValueError(f"unknown tree policy {policy!r}; choose one of {', '.join(p for p in POLICIES if p != 'ar')}")
+    if policy not in ("chain", "ddtree", "taps"):
+        raise ValueError(f"unknown tree policy {policy!r}; choose one of chain, ddtree, taps")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be a positive integer (non-root tree nodes per round), got {budget!r}")
     # `is None`, not `or`: an explicit 0 must reach validate() and fail there.
@@ -92,7 +92,17 @@ class SpeculativeDecoder:
     policy: "ar" (plain autoregressive), "chain" (DFlash's argmax path),
     "ddtree" (top-`budget` prefixes by draft log-prob) or "taps" (top-`budget`
     prefixes by the reach of a learned scorer's q_cond; pass `scorer`, a
-    `ScorerModel` from `load_scorer`), verified in one target forward per round.
+    `ScorerModel` from `load_scorer`), verified in one target forward per round;
+    or "adaptive": each round picks one of a few budgets up to `budget`, down
+    to a plain AR step, to maximise expected tokens per unit cost (TAPS trees
+    when `scorer` is given, DDTree trees otherwise; `taps_jax.engine.adaptive`).
+
+    costs (adaptive): the cost of one round of each budget in
+    `adaptive_budgets(budget)` order (any unit, e.g. ms). Default: measured
+    once per device kind and shape and cached on disk
+    (`taps_jax.engine.calibrate`). adaptive: an `AdaptiveConfig` to use
+    instead of `AdaptiveConfig.for_budget(budget)` (other budgets, EWMA
+    weight, probing share, or the `force_cycle` test hook).
 
     mesh: run on a ("data", "model") device mesh (`taps_jax.sharding.make_mesh`):
     target and drafter params are sharded by the logical-axis rules, the
@@ -111,7 +121,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "ddtree", budget: int = 32,
                  lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None,
-                 mesh=None, prefill_chunk: int = PREFILL_CHUNK):
+                 mesh=None, prefill_chunk: int = PREFILL_CHUNK, costs=None, adaptive: AdaptiveConfig | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if not isinstance(target, Target):
@@ -131,7 +141,20 @@ class SpeculativeDecoder:
             self.target, self.drafter, self.policy, self.tree = target, None, policy, None
             return
         drafter.config.check_target(target.config)
-        if policy == "taps":
+        if policy == "adaptive":
+            adaptive = AdaptiveConfig.for_budget(budget) if adaptive is None else adaptive
+            if not isinstance(adaptive, AdaptiveConfig):
+                raise ValueError(f"adaptive must be an AdaptiveConfig, got {type(adaptive).__name__}")
+            adaptive.validate()
+            if costs is not None:
+                costs = check_costs(costs, len(adaptive.budgets))
+        elif costs is not None or adaptive is not None:
+            raise ValueError(f"costs and adaptive are for policy 'adaptive', not {policy!r}")
+        self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
+        # Each call's final per-branch estimates start the next call with the same sampling settings and costs.
+        self._priors = {}
+        self._no_prior = np.full((len(adaptive.budgets),), np.nan, np.float32) if self.adaptive else None
+        if policy == "taps" or (policy == "adaptive" and scorer is not None):
             if scorer is None:
                 raise ValueError(
                     "policy 'taps' needs a trained scorer: collect traces with `python -m train.traces --target DIR "
@@ -151,7 +174,9 @@ class SpeculativeDecoder:
         self.policy = policy
         self.tree = None
         if policy != "ar":
-            self.tree = tree_config(policy, budget, target.config.vocab_size, lattice_k, beam_width)
+            family = policy if policy != "adaptive" else ("taps" if scorer is not None else "ddtree")
+            largest = budget if policy != "adaptive" else self.adaptive.budgets[-1]
+            self.tree = tree_config(family, largest, target.config.vocab_size, lattice_k, beam_width)
             self.tree.validate(drafter.config.block_size - 1, target.config.vocab_size)
         module = drafter.module
         if self.mesh is not None:
@@ -198,15 +223,28 @@ class SpeculativeDecoder:
         args = (self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
                 sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh), sharding.put_batch(active, mesh),
                 jax.random.key(seed))
-        kwargs = {"config": SpecConfig(decode, self.tree)}
+        kwargs = {"config": SpecConfig(decode, self.tree, self.adaptive)}
         if self.scorer is not None:
             kwargs.update(scorer_graphdef=self._scorer_graphdef, scorer_params=self._scorer_params)
-        programs = Programs(spec_generate, spec_start, spec_advance, lambda s, kw: spec_outputs(s, kw["config"]),
-                            ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
-        return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids)), mesh, estimate)
+        if self.adaptive is not None:
+            from taps_jax.engine.calibrate import branch_costs
 
-    def _result(self, outputs, count: int) -> GenerateResult:
-        out, n, finish, rounds, accepted = outputs
+            costs = self.costs
+            if costs is None:
+                with sharding.use_mesh(mesh):
+                    costs = branch_costs(args, kwargs, max_new_tokens)
+            self.branch_costs = tuple(costs)  # the last call's, for reports
+            kwargs["costs_K"] = np.asarray(costs, np.float32)
+            kwargs.update(force=np.int32(-1), max_rounds=np.int32(max_new_tokens),
+                          prior_K=self._priors.get((sampling, self.branch_costs), self._no_prior))
+        programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
+                            ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
+        prior_key = (sampling, self.branch_costs) if self.adaptive is not None else None
+        return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), prior_key), mesh,
+                            estimate)
+
+    def _result(self, outputs, count: int, prior_key=None) -> GenerateResult:
+        out, n, finish, rounds, accepted, branch, est = outputs
         rounds, accepted = rounds[:count], accepted[:count]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(count)]
         total_rounds = int(rounds.sum())
@@ -215,6 +253,12 @@ class SpeculativeDecoder:
             "accepted_lengths": per_round,
             "tau": float(sum(map(sum, per_round)) / max(total_rounds, 1)),
         }
+        if self.adaptive is not None:
+            # One branch per round for the whole batch: the budget each round verified (0 = an AR step).
+            stats["budgets"] = [self.adaptive.budgets[k] for k in branch.tolist() if k >= 0]
+            if (finish[:count] != RUNNING).all():  # a finished call's estimates are the next call's prior
+                old = self._priors.get(prior_key, est)
+                self._priors[prior_key] = np.where(np.isnan(est), old, est).astype(np.float32)
         return self.target._result(out, n, finish, count, stats)
 
     def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
@@ -231,6 +275,17 @@ class SpeculativeDecoder:
     def stream(self, prompts, max_new_tokens: int = 64, *, chunk: int = STREAM_CHUNK, **options):
         """Like `generate`, yielding the result so far every `chunk` rounds (the last yield == generate's)."""
         return self.prepare(prompts, max_new_tokens, **options).stream(chunk)
+
+
+def check_costs(costs, count: int) -> tuple[float, ...]:
+    """Per-branch round costs as a tuple of `count` positive finite floats (ValueError otherwise)."""
+    try:
+        values = tuple(float(c) for c in costs)
+    except (TypeError, ValueError):
+        raise ValueError(f"costs must be {count} positive numbers (one per adaptive budget), got {costs!r}") from None
+    if len(values) != count or not all(np.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"costs must be {count} positive numbers (one per adaptive budget), got {costs!r}")
+    return values
 
 
 @dataclasses.dataclass

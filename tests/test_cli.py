@@ -48,31 +48,58 @@ def test_decode_prints_continuation_and_stats(model_dir, capsys):
 
 def test_decode_ar_and_chain_agree(model_dir, capsys):
     texts = []
-    for policy in ("ar", "chain"):
-        cli.main(["--model", str(model_dir), "--prompt", "x = ", "--max-new-tokens", "6", "--policy", policy])
+    for policy in ("ar", "chain", "adaptive"):
+        costs = ["--adaptive-costs", "1,2,3,4"] if policy == "adaptive" else []
+        cli.main(["--model", str(model_dir), "--prompt", "x = ", "--max-new-tokens", "6", "--policy", policy,
+                  "--budget", "4", *costs])
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1]
+    assert texts[0] == texts[1] == texts[2]
 
 
-def test_bench_writes_json_and_plot(model_dir, tmp_path):
+def test_bench_sampled_rows_say_lossless_na(model_dir, capsys):
+    assert bench.main(["--model", str(model_dir), "--prompts", str(model_dir / "prompts.jsonl"),
+                       "--policies", "ar,chain", "--budgets", "4", "--max-new-tokens", "4", "--repeats", "1",
+                       "--temperature", "1", "--no-stages"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("chain")]
+    assert " n/a " in row and "False" not in row
+
+
+@pytest.fixture
+def _private_cost_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPS_JAX_CACHE_DIR", str(tmp_path / "cost-cache"))
+
+
+def test_bench_writes_json_and_plot(model_dir, tmp_path, capsys, _private_cost_cache):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     assert bench.main(["--model", str(model_dir), "--prompts", str(model_dir / "prompts.jsonl"),
-                       "--policies", "ar,chain,ddtree", "--budgets", "4", "--max-new-tokens", "6",
-                       "--batch-size", "2", "--cost-curve", "--json", str(out_json), "--plot", str(out_png)]) == 0
+                       "--policies", "ar,chain,ddtree,adaptive", "--budgets", "4", "--max-new-tokens", "6",
+                       "--batch-size", "2", "--repeats", "2", "--cost-curve", "--json", str(out_json),
+                       "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    assert "compile s" in printed and "rounds per budget" in printed
     report = json.loads(out_json.read_text())
-    assert set(report) >= {"config", "ar", "results"}
-    assert report["ar"]["tokens"] == 18 and report["ar"]["tokens_per_s"] > 0
+    assert set(report) >= {"config", "ar", "results", "ar_spread", "busy"}
+    assert report["config"]["repeats"] == 2
+    ar = report["ar"]
+    assert ar["tokens"] == 18 and ar["tokens_per_s_min"] <= ar["tokens_per_s"] <= ar["tokens_per_s_max"]
+    assert report["ar_spread"] == pytest.approx(ar["tokens_per_s_max"] / ar["tokens_per_s_min"])
     assert 0 <= report["ar"]["repeat_token_fraction"] <= 1
-    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("chain", 4), ("ddtree", 4)]
-    keys = {"policy", "budget", "tau", "tokens_per_s", "speedup_vs_ar", "lossless", "rounds",
-            "draft_ms_per_round", "select_ms_per_round", "verify_ms_per_round", "compiles",
-            "tau_novel_rounds", "copy_accepted_fraction"}
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("chain", 4), ("ddtree", 4), ("adaptive", 4)]
+    keys = {"policy", "budget", "tau", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_ar",
+            "speedup_min", "speedup_max", "lossless", "rounds", "compile_s", "draft_ms_per_round",
+            "select_ms_per_round", "verify_ms_per_round", "compiles", "tau_novel_rounds", "copy_accepted_fraction"}
     for row in report["results"]:
         assert keys <= set(row)
         assert row["lossless"] is True
         assert row["tau"] >= 1 and row["rounds"] > 0
-        assert all(row[f"{s}_ms_per_round"] > 0 for s in ("draft", "select", "verify"))
+        assert row["speedup_min"] <= row["speedup_vs_ar"] <= row["speedup_max"]
         assert row["tau_for_2x"] == pytest.approx(2 * row["tau"] / row["speedup_vs_ar"])
+        if row["policy"] == "adaptive":
+            # One branch per loop round for the whole batch; every loop round has a running sequence.
+            assert 1 <= sum(row["branch_rounds"].values()) <= row["rounds"]
+            assert list(row["branch_costs"]) == ["0", "1", "2", "4"]
+        else:
+            assert all(row[f"{s}_ms_per_round"] > 0 for s in ("draft", "select", "verify"))
     cost = report["verify_cost"]  # T = 1, powers of two, and every policy's tree size (1 + budget 4)
     assert cost["tree_tokens"] == [1, 2, 4, 5] and all(ms > 0 for ms in cost["ms"])
     assert cost["ratio_to_one_token"][0] == 1.0
@@ -96,6 +123,9 @@ def _run(tool, *args):
     (["--policy", "nope"], "invalid choice"),
     (["--budget", "0"], "positive integer"),
     (["--max-new-tokens", "-3"], "positive integer"),
+    (["--policy", "ddtree", "--adaptive-costs", "1,2"], "--adaptive-costs is for --policy adaptive"),
+    (["--policy", "adaptive", "--budget", "32", "--adaptive-costs", "1,2"], "needs 5 values, one per budget 0,4,8,16,32"),
+    (["--policy", "adaptive", "--adaptive-costs", "1,-2"], "positive numbers"),
 ])
 def test_decode_bad_flags(model_dir, args, message):
     res = _run("decode.cli", "--model", str(model_dir), "--prompt", "x", *args)

@@ -204,6 +204,17 @@ def test_generate_on_mesh_matches_one_device(model_dir, reference, shape):
         assert one.tokens == reference.tokens[:1] and len(one.finish_reasons) == 1
 
 
+def test_adaptive_on_mesh_matches_one_device(model_dir, reference):
+    """Every adaptive branch in turn (the commit after the switch is a scatter when the batch is split)."""
+    from taps_jax.engine.adaptive import AdaptiveConfig
+
+    models = load_model_set(model_dir, mesh=mesh_of((4, 2)))
+    cycle = AdaptiveConfig((0, 1, 2, 4), force_cycle=True)
+    decoder = SpeculativeDecoder(models.target, models.drafter, "adaptive", BUDGET, adaptive=cycle, costs=(1, 1, 1, 1))
+    got = decoder.generate(PROMPTS, NEW)
+    assert got.tokens == reference.tokens and set(got.stats["budgets"]) == {0, 1, 2, 4}
+
+
 def test_decoder_mesh_argument_reshards_a_one_device_target(model_dir, reference):
     models = load_model_set(model_dir)
     mesh = mesh_of((4, 2))

@@ -7,6 +7,11 @@ One round, per sequence (all batched, static shapes, on device):
   commit (gather accepted K/V, emit tokens, keep their tap features).
 Every emitted token is a target sample given its exact prefix, so the output
 follows the target's distribution at any temperature.
+
+With `SpecConfig.adaptive` the loop body is a `lax.switch` over a few tree
+budgets, 0 being a plain AR step (`ar_stage`), chosen per round from the
+loop's own statistics (`taps_jax.engine.adaptive`); every branch is one of
+these exact rounds, and the state is sized for the largest.
 """
 
 from __future__ import annotations
@@ -19,16 +24,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from taps_jax.engine import adaptive as adapt
 from taps_jax.engine.ar import DecodeConfig, bounded_loop, running
 from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
 from taps_jax.engine.sampling import sample
 from taps_jax.models.cache import KVCache
-from taps_jax.sharding import constrain_batch, constrain_kv_cache
+from taps_jax.sharding import _current_mesh as current_mesh, constrain_batch, constrain_kv_cache
 from taps_jax.models.drafter import DrafterCache, draft_logits
 from taps_jax.tree.accept import accept_walk
 from taps_jax.tree.policies import TreeConfig, draft_tree
 from taps_jax.tree.scorer import taps_log_qcond_fn
-from taps_jax.tree.select import ancestor_mask
+from taps_jax.tree.select import Tree, ancestor_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +42,8 @@ class SpecConfig:
     """Static settings of one speculative generate call."""
 
     decode: DecodeConfig
-    tree: TreeConfig
+    tree: TreeConfig  # for adaptive: the largest branch's tree (its pool is every branch's)
+    adaptive: adapt.AdaptiveConfig | None = None
 
 
 @flax.struct.dataclass
@@ -141,69 +148,60 @@ def draft_stage(target, drafter, s: SpecState):
     return dcache, draft_BHV, hidden_BHD
 
 
-def select_stage(tree_config: TreeConfig, target, scorer, draft_BHV, hidden_BHD, bonus_B):
-    """The policy picks T - 1 nodes (lattice, pool, q_cond, reach, select); the root is the bonus."""
+def _select(tree_config: TreeConfig, target, scorer, draft_BHV, hidden_BHD, bonus_B):
     log_qcond_fn = None
     if tree_config.policy == "taps":
         embed_VD = target.embed_tokens.embedding.get_value()
         log_qcond_fn = taps_log_qcond_fn(scorer, hidden_BHD, embed_VD, bonus_B)
-    tree, _ = draft_tree(tree_config, draft_BHV, bonus_B, log_qcond_fn)
-    return tree
+    return draft_tree(tree_config, draft_BHV, bonus_B, log_qcond_fn)
 
 
-def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig):
-    """Verify the tree in one target forward, accept, emit and commit.
+def select_stage(tree_config: TreeConfig, target, scorer, draft_BHV, hidden_BHD, bonus_B):
+    """The policy picks T - 1 nodes (lattice, pool, q_cond, reach, select); the root is the bonus."""
+    return _select(tree_config, target, scorer, draft_BHV, hidden_BHD, bonus_B)[0]
 
-    Returns (next state, the round's Acceptance: accepted path and bonus).
+
+def _accept_emit(s: SpecState, tree, logits_BTV, config: SpecConfig, A_tree: int, T: int):
+    """Sample the target at every node, walk the tree, emit the accepted tokens and the bonus.
+
+    Returns (Acceptance, accepted path [B, A_tree], tokens to commit [B], the
+    new per-sequence fields of the state except the caches and the context).
     """
     dc = config.decode
     B = s.bonus_B.shape[0]
     N = dc.max_new_tokens
-    _, T, A = _sizes(drafter, config)
+    A = s.ctx_taps_BAF.shape[1]
     batch_B = jnp.arange(B)
     running_B = s.finish_B == RUNNING
 
-    # Verify: one target forward over the tree (ancestor-only mask, positions len + depth).
-    positions_BT = s.cache.lengths_B[:, None] + tree.depths_BT
-    logits_BTV, taps_BTF, cache = target(
-        tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, drafter.config.target_layer_ids
-    )
-
-    # Accept: sample the target once at every node, walk the tree.
     key, sub = jax.random.split(s.key)
     target_BT = sample(logits_BTV, sub, dc.sampling)
-    acc = accept_walk(tree, target_BT, max_depth=A - 1)
+    acc = accept_walk(tree, target_BT, max_depth=A_tree - 1)
     a_B = acc.num_accepted_B
 
     # Emit: the accepted drafted tokens, then the new bonus; stop at EOS / length.
-    path_BA = acc.path_BA[:, :A]
+    path_BA = acc.path_BA[:, :A_tree]
     drafted_BA = jnp.take_along_axis(tree.tokens_BT, path_BA, axis=1)
     # emit[i] = token of path node i+1 for i < a-1, the bonus at i = a-1.
     next_BA = jnp.concatenate([drafted_BA[:, 1:], drafted_BA[:, -1:]], axis=1)
-    emit_BA = jnp.where(jnp.arange(A)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
-    in_round_BA = jnp.arange(A)[None] < a_B[:, None]
+    emit_BA = jnp.where(jnp.arange(A_tree)[None] == (a_B - 1)[:, None], acc.bonus_token_B[:, None], next_BA)
+    in_round_BA = jnp.arange(A_tree)[None] < a_B[:, None]
     is_eos_BA = jnp.isin(emit_BA, jnp.asarray(dc.eos_ids or (-1,), jnp.int32)) & in_round_BA
     hit_eos_B = jnp.any(is_eos_BA, axis=1)
     n_emit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BA, axis=1) + 1, a_B)
     n_emit_B = jnp.minimum(n_emit_B, N - s.generated_B)
     n_emit_B = jnp.where(running_B, n_emit_B, 0)
-    dest_BA = jnp.where(jnp.arange(A)[None] < n_emit_B[:, None], s.generated_B[:, None] + jnp.arange(A), N + A)
+    dest_BA = jnp.where(jnp.arange(A_tree)[None] < n_emit_B[:, None], s.generated_B[:, None] + jnp.arange(A_tree),
+                        N + A)
     out_BN = s.out_BN.at[batch_B[:, None], dest_BA].set(emit_BA, mode="drop")
     generated_B = s.generated_B + n_emit_B
 
-    # Commit: accepted K/V into [len, len + a); their taps feed the next draft.
     commit_B = jnp.where(running_B, a_B, 0)
-    cache = cache.gather_commit(path_BA, commit_B)
-    ctx_taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1)
-
     last_B = out_BN[batch_B, jnp.maximum(generated_B - 1, 0)]
-    reason_B = stop_reason(last_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
+    # Headroom for the next round: the largest tree's T (an adaptive round may pick it).
+    reason_B = stop_reason(last_B, generated_B, s.cache.lengths_B + commit_B + T, dc.eos_ids, N, dc.capacity)
     accepted_BR = s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(a_B, mode="drop")
-    next_state = SpecState(
-        cache=cache,
-        dcache=dcache,
-        ctx_taps_BAF=ctx_taps_BAF.astype(s.ctx_taps_BAF.dtype),
-        ctx_count_B=commit_B,
+    fields = dict(
         bonus_B=jnp.where(running_B, acc.bonus_token_B, s.bonus_B),
         out_BN=out_BN,
         generated_B=generated_B,
@@ -211,6 +209,34 @@ def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig
         rounds_B=s.rounds_B + running_B,
         accepted_BR=accepted_BR,
         key=key,
+    )
+    return acc, path_BA, commit_B, fields
+
+
+def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig):
+    """Verify the tree in one target forward, accept, emit and commit.
+
+    Returns (next state, the round's Acceptance: accepted path and bonus).
+    """
+    H, T, A = _sizes(drafter, config)
+    A_tree = min(H + 1, tree.tokens_BT.shape[1])
+
+    # Verify: one target forward over the tree (ancestor-only mask, positions len + depth).
+    positions_BT = s.cache.lengths_B[:, None] + tree.depths_BT
+    logits_BTV, taps_BTF, cache = target(
+        tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, drafter.config.target_layer_ids
+    )
+    acc, path_BA, commit_B, fields = _accept_emit(s, tree, logits_BTV, config, A_tree, T)
+
+    # Commit: accepted K/V into [len, len + a); their taps feed the next draft.
+    cache = cache.gather_commit(path_BA, commit_B)
+    ctx_taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1).astype(s.ctx_taps_BAF.dtype)
+    next_state = SpecState(
+        cache=cache,
+        dcache=dcache,
+        ctx_taps_BAF=jnp.pad(ctx_taps_BAF, ((0, 0), (0, A - A_tree), (0, 0))),
+        ctx_count_B=commit_B,
+        **fields,
     )
     return _pin(next_state), acc
 
@@ -222,9 +248,160 @@ def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> Spe
     return verify_stage(target, drafter, s, dcache, tree, config)[0]
 
 
-def spec_outputs(s: SpecState, config: SpecConfig):
-    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R])."""
-    return s.out_BN[:, : config.decode.max_new_tokens], s.generated_B, s.finish_B, s.rounds_B, s.accepted_BR
+# Adaptive rounds. A `lax.switch` branch that wrote a loop-carried cache would
+# copy it whole every round (XLA cannot update a conditional's operand in
+# place), so branches only read the caches and return what to commit: the
+# accepted path's target K/V and the drafter context K/V they absorbed, both
+# [L, B, A, K, H]; `commit_branch` writes them outside the switch.
+
+
+def root_tree(bonus_B) -> Tree:
+    """The one-node tree of an AR step: the pending token alone."""
+    B = bonus_B.shape[0]
+    zeros_B1 = jnp.zeros((B, 1), jnp.int32)
+    return Tree(tokens_BT=bonus_B[:, None].astype(jnp.int32), parents_BT=zeros_B1 - 1, depths_BT=zeros_B1,
+                valid_BT=jnp.ones((B, 1), bool), pool_index_BT=zeros_B1 - 1, max_depth=0)
+
+
+def _pending_kv(drafter, s: SpecState):
+    """Drafter context K/V [L, B, A, K, H] of the pending tap features, at positions dcache.lengths + c."""
+    A = s.ctx_taps_BAF.shape[1]
+    return drafter.context_kv(s.ctx_taps_BAF, s.dcache.lengths_B[:, None] + jnp.arange(A, dtype=jnp.int32)[None])
+
+
+def _verify_read_only(target, drafter, s: SpecState, tree, config: SpecConfig):
+    """Target forward over the tree (cache read only), accept and emit; the accepted K/V and taps, padded to A."""
+    H, T, A = _sizes(drafter, config)
+    A_tree = min(H + 1, tree.tokens_BT.shape[1])
+    positions_BT = s.cache.lengths_B[:, None] + tree.depths_BT
+    logits_BTV, taps_BTF, (k_LBTKH, v_LBTKH) = target(
+        tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, drafter.config.target_layer_ids, write=False)
+    acc, path_BA, commit_B, fields = _accept_emit(s, tree, logits_BTV, config, A_tree, T)
+    pad = ((0, 0), (0, 0), (0, A - A_tree), (0, 0), (0, 0))
+    index = path_BA[None, :, :, None, None]
+    kv = (jnp.pad(jnp.take_along_axis(k_LBTKH, index, axis=2), pad),
+          jnp.pad(jnp.take_along_axis(v_LBTKH, index, axis=2), pad), commit_B)
+    taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1).astype(s.ctx_taps_BAF.dtype)
+    return acc, kv, taps_BAF, fields
+
+
+def ar_branch(target, drafter, s: SpecState, config: SpecConfig):
+    """A plain AR step (one target token, no draft) that keeps the drafter's context whole.
+
+    The new token's tap features join the pending ones; only when that buffer
+    is full does the drafter absorb it (a `lax.cond` over small arrays), so a
+    run of AR steps pays the context projection once per A tokens and the
+    next draft sees every committed token, as after a speculative round.
+    """
+    B, A = s.ctx_taps_BAF.shape[:2]
+    full = jnp.any(s.ctx_count_B >= A)
+    shape = jax.eval_shape(lambda: _pending_kv(drafter, s))
+    dk, dv = jax.lax.cond(full, lambda: _pending_kv(drafter, s),
+                          lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in shape))
+    absorbed_B = jnp.where(full, s.ctx_count_B, 0)
+    count_B = s.ctx_count_B - absorbed_B
+    _, kv, taps_BAF, fields = _verify_read_only(target, drafter, s, root_tree(s.bonus_B), config)
+    commit_B = kv[2]
+    slot_BA = jnp.where(jnp.arange(A)[None] < commit_B[:, None], count_B[:, None] + jnp.arange(A), A)
+    fields.update(ctx_taps_BAF=s.ctx_taps_BAF.at[jnp.arange(B)[:, None], slot_BA].set(taps_BAF, mode="drop"),
+                  ctx_count_B=count_B + commit_B)
+    return fields, kv, (dk, dv, absorbed_B)
+
+
+def spec_branch(target, drafter, scorer, s: SpecState, config: SpecConfig, budget: int):
+    """A speculative round with a tree of `budget` nodes drawn from the largest tree's pool.
+
+    Also returns [B, K]: what each budget <= this one would have accepted
+    from the same draft and target samples (`adaptive.accepted_by_budget`).
+    """
+    A = s.ctx_taps_BAF.shape[1]
+    B = s.bonus_B.shape[0]
+    dk, dv = _pending_kv(drafter, s)
+    valid_BA = jnp.arange(A)[None] < s.ctx_count_B[:, None]
+    Kb = drafter.config.block_size
+    block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, Kb - 1), drafter.config.mask_token_id, jnp.int32)], 1)
+    block_pos_BK = s.cache.lengths_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
+    draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, s.dcache, (dk, dv, valid_BA))
+    tree, aux = _select(dataclasses.replace(config.tree, budget=budget), target, scorer, draft_BHV, hidden_BHD,
+                        s.bonus_B)
+    acc, kv, taps_BAF, fields = _verify_read_only(target, drafter, s, tree, config)
+    fields.update(ctx_taps_BAF=jnp.pad(taps_BAF, ((0, 0), (0, A - taps_BAF.shape[1]), (0, 0))), ctx_count_B=kv[2])
+    accepted_BK = adapt.accepted_by_budget(adapt.tree_ranks(tree, aux.log_reach_BN), acc.path_BA,
+                                           acc.path_valid_BA, config.adaptive.budgets)
+    return (fields, kv, (dk, dv, s.ctx_count_B)), accepted_BK
+
+
+def branch_step(target, drafter, scorer, s: SpecState, config: SpecConfig, budget: int):
+    """One exact round of one adaptive branch, before its commit: ((fields, kv, dkv), [B, K] accepted lengths)."""
+    if budget == 0:
+        B, K = s.bonus_B.shape[0], len(config.adaptive.budgets)
+        return ar_branch(target, drafter, s, config), jnp.ones((B, K), jnp.int32)
+    return spec_branch(target, drafter, scorer, s, config, budget)
+
+
+def commit_branch(s: SpecState, out) -> SpecState:
+    """Write a branch's accepted target K/V and absorbed drafter context in place (outside the switch)."""
+    fields, (k, v, commit_B), (dk, dv, absorbed_B) = out
+    # Running sequences have lengths + T <= capacity (stop_reason), so the A slots fit; a finished
+    # sequence's cache is never read again. A batch split over devices takes one scatter instead of a
+    # per-row update at a dynamic index of the sharded axis.
+    write = "write_rows" if current_mesh() is None else "write_all"
+    cache = getattr(s.cache, write)(k, v)
+    dcache = getattr(s.dcache, write)(dk, dv)
+    return _pin(s.replace(cache=cache.replace(lengths_B=cache.lengths_B + commit_B),
+                          dcache=dcache.replace(lengths_B=dcache.lengths_B + absorbed_B), **fields))
+
+
+def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, force, limit):
+    """The loop of the adaptive policy: per round, choose a branch, run it, update the statistics.
+
+    carry: (SpecState, AdaptiveState); runs while a sequence runs and the
+    round count is below `limit`. force >= 0: run that branch every round
+    (data, for the calibration: `taps_jax.engine.calibrate`).
+    """
+    ac = config.adaptive
+    branches = [functools.partial(branch_step, target, drafter, scorer, config=config, budget=m) for m in ac.budgets]
+
+    def body(carry):
+        s, st = carry
+        running_B = s.finish_B == RUNNING
+        k, probe = adapt.choose(st, running_B, costs_K, ac)
+        k = jnp.where(force >= 0, force, k)
+        out, accepted_BK = jax.lax.switch(k, branches, s)
+        return commit_branch(s, out), adapt.update(st, k, probe, accepted_BK, running_B, costs_K, ac)
+
+    return jax.lax.while_loop(lambda c: running(c[0]) & (c[1].round < limit), body, carry)
+
+
+# The loop carry: SpecState for a fixed policy, (SpecState, AdaptiveState)
+# for the adaptive one. `spec_generate` runs prefill + the whole loop; for
+# streaming, `spec_start` (prefill) and `spec_advance` (at most `rounds` more
+# rounds) run the same prefill and loop body in pieces.
+
+
+def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig, costs_K, prior_K):
+    state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
+    if config.adaptive is None:
+        return state
+    st = adapt.AdaptiveState.init(state.bonus_B.shape[0], config.decode.max_new_tokens, config.adaptive, prior_K,
+                                  jnp.asarray(costs_K, jnp.float32))
+    return state, st
+
+
+def _round_limit(max_rounds, config: SpecConfig):
+    return jnp.asarray(config.decode.max_new_tokens if max_rounds is None else max_rounds, jnp.int32)
+
+
+def spec_outputs(carry, config: SpecConfig):
+    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [K])."""
+    N = config.decode.max_new_tokens
+    if config.adaptive is None:
+        state, branch_R, est_K = carry, jnp.full((N,), -1, jnp.int32), jnp.zeros((0,), jnp.float32)
+    else:
+        state, st = carry
+        branch_R, est_K = st.branch_R, adapt.estimates(st, state.rounds_B > 0)
+    return (state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR, branch_R,
+            est_K)
 
 
 _STATIC = ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef")
@@ -234,43 +411,56 @@ _STATIC = ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef")
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
 ):
-    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R]).
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [K]).
 
     scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
-    `taps_jax.tree.scorer.Scorer`), required by policy "taps", None otherwise.
+    `taps_jax.tree.scorer.Scorer`), required by policy "taps" (and adaptive
+    TAPS trees), None otherwise. costs_K: adaptive only, the cost of one round
+    of each branch (any unit; an array, so new costs do not recompile).
+    branch: adaptive only, the branch index of each round (-1 after the last).
+    force, max_rounds: adaptive only, for the cost calibration (one branch
+    every round, at most that many rounds); data, so no new program.
+    prior_K / estimates: adaptive only, per-branch accepted-length estimates
+    the loop starts from (NaN: none) / ends with (the next call's prior).
     """
     target, drafter, scorer = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
-    state = jax.lax.while_loop(running, lambda s: round_step(target, drafter, scorer, s, config), state)
-    return spec_outputs(state, config)
-
-
-# Streaming: the same prefill and rounds as `spec_generate`, run as a start
-# program and an advance program of at most `rounds` rounds.
+    carry = start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior_K)
+    if config.adaptive is None:
+        carry = jax.lax.while_loop(running, lambda s: round_step(target, drafter, scorer, s, config), carry)
+    else:
+        carry = adaptive_loop(target, drafter, scorer, carry, jnp.asarray(costs_K, jnp.float32), config,
+                              jnp.asarray(force, jnp.int32), _round_limit(max_rounds, config))
+    return spec_outputs(carry, config)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_start(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None,
-) -> SpecState:
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
+):
+    """`spec_generate`'s prefill: the loop carry before the first round."""
     target, drafter, _ = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    return init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
+    return start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior_K)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
 def spec_advance(
-    target_graphdef, target_params, drafter_graphdef, drafter_params, state: SpecState, rounds, *,
-    config: SpecConfig, scorer_graphdef=None, scorer_params=None,
-) -> SpecState:
+    target_graphdef, target_params, drafter_graphdef, drafter_params, carry, rounds, *, config: SpecConfig,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
+):
+    """At most `rounds` more rounds of `spec_generate`'s loop (same body, same order)."""
     target, drafter, scorer = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    return bounded_loop(lambda s: round_step(target, drafter, scorer, s, config), state, rounds)
+    if config.adaptive is None:
+        return bounded_loop(lambda s: round_step(target, drafter, scorer, s, config), carry, rounds)
+    limit = jnp.minimum(carry[1].round + rounds, _round_limit(max_rounds, config))
+    return adaptive_loop(target, drafter, scorer, carry, jnp.asarray(costs_K, jnp.float32), config,
+                         jnp.asarray(force, jnp.int32), limit)

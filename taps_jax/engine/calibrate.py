@@ -1,0 +1,114 @@
+"""Cost of one round of each adaptive branch, measured once per device kind and shape, cached on disk.
+
+A branch's round is timed in the generate program itself (so nothing more
+compiles): forced to one branch every round and stopped after a few
+rounds, on the batch being decoded, median of interleaved repeats. The figures depend on the device, the models, the branch budgets,
+the batch and the cache capacity, which together key the cache file
+(`$TAPS_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/taps-jax`, else
+`~/.cache/taps-jax`; `adaptive_costs.json`). Delete that file to measure
+again (e.g. after a hardware change the key does not see).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from taps_jax.engine import speculative as spec
+
+CACHE_FILE = "adaptive_costs.json"
+_memory: dict[str, tuple[float, ...]] = {}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("TAPS_JAX_CACHE_DIR"):
+        return Path(os.environ["TAPS_JAX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "taps-jax"
+
+
+def cost_key(args, kwargs) -> str:
+    """Device kind, models, branches, batch and capacity: what a round's cost depends on."""
+    _, target_params, _, _, prompt, *_ = args
+    config = kwargs["config"]
+    leaves = jax.tree_util.tree_leaves(target_params)
+    devices = jax.devices()
+    facts = {
+        "device": f"{devices[0].platform}:{devices[0].device_kind}",
+        "devices": len(devices),
+        # Parameter shapes of target, drafter and scorer (a graphdef's repr is not stable across processes).
+        "models": hashlib.sha256(repr([[tuple(x.shape) for x in jax.tree_util.tree_leaves(p)]
+                                       for p in (target_params, args[3], kwargs.get("scorer_params"))]).encode())
+                  .hexdigest()[:16],
+        "target_params": sum(int(np.prod(x.shape)) for x in leaves),
+        "dtype": str(leaves[0].dtype),
+        "tree": dataclasses.asdict(config.tree) | {"budget": None},
+        "budgets": list(config.adaptive.budgets),
+        "batch": int(prompt.shape[0]),
+        "capacity": config.decode.capacity,
+    }
+    return json.dumps(facts, sort_keys=True)
+
+
+def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float, ...]:
+    """Milliseconds per round of each branch (median of `repeats`, interleaved across branches).
+
+    The generate program itself (no second compile) runs one branch every
+    round (`force`), stopped after r1 and after r2 rounds (`max_rounds`);
+    the difference divided by the rounds between leaves out the prefill.
+    """
+    budgets = kwargs["config"].adaptive.budgets
+
+    def run(k, rounds):
+        kw = dict(kwargs, costs_K=np.ones(len(budgets), np.float32), force=np.int32(k), max_rounds=np.int32(rounds),
+                  prior_K=np.full((len(budgets),), np.nan, np.float32))
+        start = time.perf_counter()
+        out = jax.block_until_ready(spec.spec_generate(*args, **kw))
+        return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
+
+    # 16 AR steps include about one absorption of the queued taps (block size 16); trees: 5 rounds.
+    r1, r2 = 1, max(2, min(max_new_tokens, 17))
+    jax.block_until_ready(run(0, r1))  # compile (the program generate runs) and warm
+    times = [[] for _ in budgets]
+    for _ in range(repeats):
+        for k in range(len(budgets)):
+            t1, n1 = run(k, r1)
+            t2, n2 = run(k, r2 if budgets[k] == 0 else min(r2, 6))
+            times[k].append((t2 - t1) / (n2 - n1) * 1e3 if n2 > n1 else t2 / max(n2, 1) * 1e3)
+    return tuple(max(statistics.median(t), 1e-3) for t in times)
+
+
+def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
+    """Cached per-branch costs (ms per round) for these inputs of `spec_generate`, measured on a miss."""
+    key = cost_key(args, kwargs)
+    if key in _memory:
+        return _memory[key]
+    path = cache_dir() / CACHE_FILE
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key) if isinstance(table, dict) else None
+    if entry and len(entry.get("ms", ())) == len(kwargs["config"].adaptive.budgets):
+        costs = tuple(float(c) for c in entry["ms"])
+    else:
+        costs = measure(args, kwargs, max_new_tokens)
+        table = table if isinstance(table, dict) else {}
+        table[key] = {"ms": list(costs), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{CACHE_FILE}.{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home still decodes; it measures again next process
+    _memory[key] = costs
+    return costs

@@ -1,0 +1,205 @@
+"""The adaptive policy: every branch is an exact round, the loop stays one loop, costs are cached."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_helpers import tiny_pair
+from taps_helpers import random_scorer, sharp_pair
+from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
+from taps_jax.engine import calibrate
+from taps_jax.engine.adaptive import AdaptiveConfig, accepted_by_budget, tree_ranks
+from taps_jax.engine.speculative import spec_generate
+from taps_jax.tree.policies import TreeConfig, draft_tree
+
+PROMPTS = [[3, 1, 4, 1, 5], [6, 2, 6], [5, 3, 5, 0, 1, 7, 2, 3, 2], [2, 7]]
+VOCAB = 8
+CYCLE = AdaptiveConfig((0, 2, 4, 8, 16), force_cycle=True)  # switches branch every round
+
+
+@pytest.fixture(autouse=True)
+def _private_cost_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPS_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "_memory", {})
+
+
+def test_greedy_is_lossless_switching_every_round():
+    target, drafter = tiny_pair(VOCAB, eos=(6,))
+    want = target.generate(PROMPTS, 40)
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 16, adaptive=CYCLE, costs=(1, 1, 1, 1, 1))
+    got = dec.generate(PROMPTS, 40)
+    assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+    budgets = got.stats["budgets"]
+    assert budgets[:6] == [16, 8, 4, 2, 0, 16], budgets
+    assert max(x for a in got.stats["accepted_lengths"] for x in a) >= 3  # spec rounds accepted drafts
+
+
+def test_taps_trees_when_a_scorer_is_given():
+    target, drafter = sharp_pair(VOCAB, block_size=8)
+    scorer = random_scorer(target, drafter, seed=1)
+    want = target.generate(PROMPTS, 32).tokens
+    cycle = AdaptiveConfig((0, 3, 12), force_cycle=True)
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 12, scorer=scorer, adaptive=cycle, costs=(1, 2, 3))
+    assert dec.tree.policy == "taps" and dec.tree.budget == 12
+    assert dec.generate(PROMPTS, 32).tokens == want
+
+
+def test_ties_pick_the_cheapest_and_probing_is_rare():
+    """All branches tie in cost: a branch that accepts more wins; AR-level acceptance keeps the AR step."""
+    target, drafter = tiny_pair(VOCAB)
+    want = target.generate(PROMPTS, 48).tokens
+    got = SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(1, 1, 1, 1, 1)).generate(PROMPTS, 48)
+    assert got.tokens == want
+    assert got.stats["budgets"][0] == 16  # the first round probes the largest tree
+    # Equal costs: a tree accepts at least the one token an AR step emits, so the AR step never wins.
+    assert 0 not in got.stats["budgets"] and len(set(got.stats["budgets"])) >= 1
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(1, 50, 50, 50, 50))
+    expensive = dec.generate(PROMPTS, 48)
+    assert expensive.tokens == want
+    assert expensive.stats["budgets"][0] == 16 and set(expensive.stats["budgets"][1:]) == {0}
+    # The next call starts from this one's estimates: no probe at its start (the wait is 20x a probe's cost).
+    again = dec.generate(PROMPTS, 48)
+    assert again.tokens == want and set(again.stats["budgets"]) == {0}
+    # Other sampling settings have their own estimates: that call probes first again.
+    assert dec.generate(PROMPTS, 8, temperature=1.0).stats["budgets"][0] == 16
+
+
+def test_counterfactual_accepted_lengths_match_smaller_trees():
+    """A round of budget M says what budget m would have accepted: the tree of m is the top-m of M's."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 6)) * 2, jnp.float32)
+    root = jnp.asarray([1, 2, 3], jnp.int32)
+    big, aux = draft_tree(TreeConfig("ddtree", 16, 6, 16), logits, root)
+    rank = tree_ranks(big, aux.log_reach_BN)
+    from taps_jax.tree.accept import accept_walk
+
+    for trial in range(5):
+        target_BT = jnp.asarray(rng.integers(0, 6, size=big.tokens_BT.shape), jnp.int32)
+        # The target's token at a node depends on the node (its prefix), not on the tree it sits in.
+        prefix_token = {}
+        for b in range(3):
+            for i in range(big.tokens_BT.shape[1]):
+                prefix_token[(b, int(big.pool_index_BT[b, i]))] = int(target_BT[b, i])
+        acc = accept_walk(big, target_BT)
+        got = accepted_by_budget(rank, acc.path_BA, acc.path_valid_BA, (0, 2, 5, 16))
+        for col, m in enumerate((2, 5, 16)):
+            small, _ = draft_tree(TreeConfig("ddtree", m, 6, 16), logits, root)
+            small_target = np.array([[prefix_token[(b, int(p))] for p in small.pool_index_BT[b]] for b in range(3)])
+            want = accept_walk(small, jnp.asarray(small_target)).num_accepted_B
+            np.testing.assert_array_equal(got[:, col + 1], want, err_msg=f"budget {m}, trial {trial}")
+        assert (got[:, 0] == 1).all()
+
+
+def test_sampling_follows_the_target_distribution():
+    """Chi-square on the first three tokens at T=1 while the branch changes every round."""
+    target, drafter = tiny_pair(vocab=5, block_size=4, seed=3)
+    prompt = [1, 2, 3]
+
+    def probs(ctx):
+        logits = np.asarray(target.logits([ctx]))[0, -1]
+        p = np.exp(logits - logits.max())
+        return p / p.sum()
+
+    p1 = probs(prompt)
+    exact = np.zeros((5, 5, 5))
+    for a in range(5):
+        p2 = probs(prompt + [a])
+        for b in range(5):
+            exact[a, b] = p1[a] * p2[b] * probs(prompt + [a, b])
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 4, adaptive=AdaptiveConfig((0, 1, 4), force_cycle=True),
+                             costs=(1, 1, 1))
+    counts = np.zeros((5, 5, 5))
+    for seed in range(500):
+        for t in dec.generate([prompt] * 8, 3, temperature=1.0, seed=seed).tokens:
+            counts[tuple(t)] += 1
+    expected = exact * counts.sum()
+    keep = expected >= 5
+    chi2 = (((counts - expected) ** 2 / expected)[keep]).sum()
+    dof = keep.sum() - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3  # 99.9% (Wilson-Hilferty)
+    assert chi2 < crit, (chi2, crit)
+
+
+def test_one_generate_loop_and_no_host_callbacks():
+    target, drafter = tiny_pair(VOCAB)
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(1, 2, 3, 4, 5))
+    call = dec.prepare([[1, 2, 3]], 16)
+    args, kwargs = call.args, call.kwargs
+    fixed = SpeculativeDecoder(target, drafter, "ddtree", 16)
+    fcall = fixed.prepare([[1, 2, 3]], 16)
+    fargs, fkwargs = fcall.args, fcall.kwargs
+
+    def top_level(a, kw):
+        jaxpr = jax.make_jaxpr(lambda *x: spec_generate(*x, **kw))(*a)
+        (gen,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
+        return [e.primitive.name for e in gen.params["jaxpr"].jaxpr.eqns], jaxpr
+
+    top, jaxpr = top_level(args, kwargs)
+    fixed_top, _ = top_level(fargs, fkwargs)
+    assert top.count("while") == fixed_top.count("while") == 2, top  # prefill chunks + the generate loop
+    from test_ar_generate import _primitives
+
+    names = list(_primitives(jaxpr.jaxpr))
+    assert "cond" in names  # the lax.switch of the branches
+    host = [n for n in names if "callback" in n or n in ("infeed", "outfeed")]
+    assert not host, host
+    before = spec_generate._cache_size()
+    dec.generate([[4, 5, 6]], 16)
+    SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(2, 2, 2, 2, 2)).generate([[4, 5, 6]], 16)
+    assert spec_generate._cache_size() - before == 1  # new costs are data, not a new program
+
+
+def test_costs_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
+    target, drafter = tiny_pair(VOCAB)
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 4)
+    want = target.generate(PROMPTS[:2], 12).tokens
+    assert dec.generate(PROMPTS[:2], 12).tokens == want
+    table = json.loads((tmp_path / "cache" / calibrate.CACHE_FILE).read_text())
+    (entry,) = table.values()
+    assert len(entry["ms"]) == 4 and all(ms > 0 for ms in entry["ms"])  # budgets 0, 1, 2, 4
+    assert tuple(entry["ms"]) == dec.branch_costs
+    # A new process (empty memory) reads the file instead of measuring.
+    monkeypatch.setattr(calibrate, "_memory", {})
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert SpeculativeDecoder(target, drafter, "adaptive", 4).generate(PROMPTS[:2], 12).tokens == want
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policy="adaptive", costs=(1, 2)), "costs must be 5 positive numbers"),
+    (dict(policy="adaptive", costs=(1, 2, 3, 4, -1)), "costs must be 5 positive numbers"),
+    (dict(policy="ddtree", costs=(1, 2, 3, 4, 5)), "for policy 'adaptive'"),
+    (dict(policy="adaptive", adaptive=AdaptiveConfig((2, 4))), "must start with 0"),
+])
+def test_bad_adaptive_settings(kwargs, message, no_tracing):
+    target, drafter = tiny_pair(VOCAB)
+    policy = kwargs.pop("policy")
+    with pytest.raises(ValueError, match=message):
+        SpeculativeDecoder(target, drafter, policy, 16, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_model_set(DEFAULT_MODEL_DIR)
+
+
+def test_mixed_batch_repeating_and_random_text_is_lossless(models):
+    """One sequence loops (drafts accepted), the other is noise (drafts rejected): one branch per round for both."""
+    tok = models.target.tokenizer
+    rng = np.random.default_rng(0)
+    repeating = tok.encode("x = 1\ny = 2\n" * 12)
+    noise = rng.integers(10, models.target.config.vocab_size, size=40).tolist()
+    want = models.target.generate([repeating, noise], 48)
+    costs = (4.0, 5.0, 5.0, 6.0, 7.0)  # accelerator-like: a round costs little more than an AR step
+    dec = SpeculativeDecoder(models.target, models.drafter, "adaptive", 32, costs=costs)
+    got = dec.generate([repeating, noise], 48)
+    assert got.tokens == want.tokens
+    accepted = got.stats["accepted_lengths"]
+    assert np.mean(accepted[0]) > np.mean(accepted[1])
+    # The repeating text pays for trees for both (one budget per round for the whole batch).
+    budgets = got.stats["budgets"]
+    assert budgets[0] == 32 and len(set(budgets)) > 1, budgets
