@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
-from decode.common import Parser, add_mesh_args, add_model_args, load_models, positive_int, run, setup_mesh
+from decode.common import (Parser, add_mesh_args, add_model_args, choice_list, load_models, positive_int, run,
+                           setup_mesh)
 from decode.repetition import REPEAT_NGRAM, repetition_stats
 from decode.stages import VERIFY_COST_CONTEXT, stage_times_ms, verify_cost_ms
 from taps_jax.prompt_file import read_prompt_file
@@ -46,14 +46,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown policy {bad[0] if bad else text!r}; choose from {', '.join(POLICIES)}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="taps-bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
@@ -61,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]}) per line (default: the embedded held-out set)")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
-    p.add_argument("--policies", type=_policies, default=["ar", "chain", "ddtree"],
+    p.add_argument("--policies", type=choice_list(POLICIES), default=["ar", "chain", "ddtree"],
                    help="comma-separated, from " + ",".join(POLICIES) + " (default ar,chain,ddtree)")
     p.add_argument("--budgets", type=_int_list, default=[16, 32, 64], help="tree budgets (default 16,32,64)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per prompt (default 128)")

@@ -21,6 +21,20 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def choice_list(choices, what: str = "policy"):
+    """An argparse type: comma-separated names, each one of `choices` (at least one)."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else text!r}; choose from "
+                                             f"{', '.join(choices)}")
+        return names
+
+    return parse
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models")
     g.add_argument("--model", type=Path, default=None,

@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from decode.common import Parser, positive_int
+from decode.common import Parser, choice_list, positive_int
+from decode.stages import times_ms
 
 # Model sizes: (target config, drafter config) as HF / DFlash config fields, or a published config name.
 TINY_TARGET = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1024, hidden_size=64,
@@ -79,12 +80,7 @@ def random_models(size: str, dtype: str = "bfloat16", seed: int = 0):
 
 
 def _median_ms(fn, reps: int) -> dict:
-    jax.block_until_ready(fn())  # compile + warm
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - start) * 1e3)
+    times = times_ms(fn, reps)
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
@@ -232,21 +228,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _policies(text: str) -> tuple[str, ...]:
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in names if p not in POLICY_NAMES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown policy {(bad or [text])[0]!r}; choose from {', '.join(POLICY_NAMES)}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m decode.device_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=SIZES, default="4b",
                    help="tiny (seconds, any CPU), 1b (Qwen3-1.7B shapes), 4b (Qwen3-4B + DFlash-b16 shapes); default 4b")
     p.add_argument("--batches", type=_ints, default=(1, 8), help="batch sizes (default 1,8)")
     p.add_argument("--budgets", type=_ints, default=(16, 32, 64, 128), help="tree budgets (default 16,32,64,128)")
-    p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help="default chain,ddtree,taps")
+    p.add_argument("--policies", type=choice_list(POLICY_NAMES), default=POLICY_NAMES, help="default chain,ddtree,taps")
     p.add_argument("--curve", type=_ints, default=CURVE, help="tree sizes of the verify cost curve (default 1..128)")
     p.add_argument("--context", type=positive_int, default=512, help="committed tokens per sequence (default 512)")
     p.add_argument("--reps", type=positive_int, default=10, help="timed repeats per figure (default 10)")

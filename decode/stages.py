@@ -20,14 +20,19 @@ from taps_jax.engine.stages import Stages
 from taps_jax.models.cache import KVCache
 
 
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm
+def times_ms(fn, reps: int) -> list[float]:
+    """Wall ms of `reps` calls of `fn` (each waited for), after one compile + warm call."""
+    jax.block_until_ready(fn())
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def _median_ms(fn, reps: int) -> float:
+    return statistics.median(times_ms(fn, reps))
 
 
 def stage_times_ms(decoder, prompts, max_new_tokens: int, reps: int = 10) -> dict[str, float]:
