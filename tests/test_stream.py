@@ -10,6 +10,7 @@ import pytest
 import taps_jax.decoder as decoder_module
 from decode import cli
 from taps_jax.calls import GenerateCall
+from taps_jax.engine.adaptive import AdaptiveConfig
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
 from spec_helpers import primitives
 
@@ -38,6 +39,22 @@ def test_stream_ends_with_generate_and_only_grows(models, policy, temperature):
     assert last.tokens == whole.tokens and last.texts == whole.texts
     assert last.finish_reasons == whole.finish_reasons
     assert last.stats == whole.stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_adaptive_stream_ends_with_generate(models, temperature):
+    """The adaptive loop's statistics travel in the streamed carry: same branches, tokens and stats."""
+    budgets = AdaptiveConfig.for_budget(16).budgets
+    costs = [1.0 + 0.3 * m for m in budgets]  # trees cheap enough that branches change during the call
+
+    def fresh():  # a decoder carries estimates across calls, so each side starts from none
+        return SpeculativeDecoder(models.target, models.drafter, "adaptive", 16,
+                                  scorer=models.scorer_for(temperature), costs=costs)
+
+    whole = fresh().generate(PROMPTS, 32, temperature=temperature, seed=7)
+    last = list(fresh().stream(PROMPTS, 32, chunk=3, temperature=temperature, seed=7))[-1]
+    assert len(set(whole.stats["budgets"])) > 1
+    assert last.tokens == whole.tokens and last.stats == whole.stats
 
 
 def test_compiled_call_runs_the_executable_and_times_it_apart(models):
