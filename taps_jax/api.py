@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from taps_jax.engine.ar import DecodeConfig, ar_advance, ar_generate, ar_outputs
 from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, pad_batch
 from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
-from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity, raise_out_of_memory
+from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.models.transformer import Transformer
 
 

@@ -126,15 +126,21 @@ class GenerateCall:
         """
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be a positive number of rounds, got {chunk!r}")
+        return self._stream(chunk)
+
+    def _stream(self, chunk: int) -> Iterator[GenerateResult]:
         begin = time.perf_counter()
+        state = self._on_devices(self._call, "start", *self.args)
+        while True:
+            outputs = self._on_devices(lambda: tuple(map(sharding.to_host, self.programs.outputs(state, self.kwargs))))
+            result = self.finish(outputs)
+            if bool((outputs[2] != RUNNING).all()):
+                yield self._timed(result, time.perf_counter() - begin)
+                return
+            yield result
+            state = self._on_devices(self._call, "advance", *self._model_args, state, chunk)
+
+    def _on_devices(self, fn, *args):
+        # Entered per call, not across a yield: the caller's code between chunks runs outside the mesh.
         with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
-            state = self._call("start", *self.args)
-            while True:
-                outputs = tuple(map(sharding.to_host, self.programs.outputs(state, self.kwargs)))
-                done = bool((outputs[2] != RUNNING).all())
-                result = self.finish(outputs)
-                if done:
-                    yield self._timed(result, time.perf_counter() - begin)
-                    return
-                yield result
-                state = self._call("advance", *self._model_args, state, chunk)
+            return fn(*args)

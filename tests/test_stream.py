@@ -81,7 +81,7 @@ def test_advance_programs_have_one_loop_and_no_host_callbacks(models):
 
 def test_stream_rejects_a_bad_chunk(models):
     with pytest.raises(ValueError, match="chunk must be a positive number of rounds"):
-        next(models.target.stream(PROMPTS[:1], 4, chunk=0))
+        models.target.stream(PROMPTS[:1], 4, chunk=0)  # at the call, before any device work
 
 
 def _cli(args, capsys):
