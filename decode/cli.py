@@ -172,12 +172,11 @@ def main(argv=None) -> int:
     call.compile(stream=args.stream)  # ahead of time: the prompt is decoded once, compile timed apart
     show = sharding.is_main_process()
     if args.stream:
-        result = None
-        printed = TextDeltas(args.prompt)
+        printed = TextDeltas(args.prompt) if show else None  # every process decodes, one prints
         for result in call.stream():
-            if show:
+            if printed:
                 printed.show(result.texts[0])
-        if show:
+        if printed:
             printed.show(result.texts[0], final=True)
     else:
         result = call.run()
