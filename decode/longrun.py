@@ -25,9 +25,8 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from decode.bench import _policies
-from decode.common import Parser, add_model_args, check_output_path, load_models, positive_int, run
-from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder
+from decode.common import Parser, add_model_args, check_output_path, choice_list, load_models, positive_int, run
+from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.ar import ar_generate
 from taps_jax.engine.batching import bucket
 from taps_jax.engine.speculative import spec_generate
@@ -72,7 +71,7 @@ def build_parser():
     p.add_argument("--prompts", type=Path, default=None, help="JSONL prompts (default: the embedded held-out set)")
     p.add_argument("--num-prompts", type=positive_int, default=16)
     p.add_argument("--max-new-tokens", type=positive_int, default=2000)
-    p.add_argument("--policies", type=_policies, default=["ar", "chain", "ddtree", "taps"])
+    p.add_argument("--policies", type=choice_list(POLICIES), default=["ar", "chain", "ddtree", "taps"])
     p.add_argument("--budget", type=positive_int, default=32, help="tree budget (default 32)")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     return p

@@ -142,9 +142,9 @@ def test_one_generate_loop_and_no_host_callbacks():
     top, jaxpr = top_level(args, kwargs)
     fixed_top, _ = top_level(fargs, fkwargs)
     assert top.count("while") == fixed_top.count("while") == 2, top  # prefill chunks + the generate loop
-    from test_ar_generate import _primitives
+    from spec_helpers import primitives
 
-    names = list(_primitives(jaxpr.jaxpr))
+    names = list(primitives(jaxpr.jaxpr))
     assert "cond" in names  # the lax.switch of the branches
     host = [n for n in names if "callback" in n or n in ("infeed", "outfeed")]
     assert not host, host
