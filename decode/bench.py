@@ -216,12 +216,7 @@ def main(argv=None) -> int:
         report["verify_cost"] = {"context": VERIFY_COST_CONTEXT, "tree_tokens": sizes, "ms": [ms[t] for t in sizes],
                                  "ratio_to_one_token": [ms[t] / ms[1] for t in sizes]}
     _print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        plot_report(report, args.plot)
-    return 0
+    return _save(args, report, lambda path: plot_report(report, path))
 
 
 def _decoder(models, policy, budget, temperature, prefill_chunk=PREFILL_CHUNK):
@@ -247,11 +242,16 @@ def _long_prompt_main(args, models, decoders) -> int:
                          "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "dtype": args.dtype,
                          "mesh": args.mesh, "device": jax.devices()[0].device_kind},
               "long_prompts": results}
+    return _save(args, report, lambda path: plot_rows(results, path))
+
+
+def _save(args, report: dict, plot) -> int:
+    """--json and --plot (paths checked before the benchmark ran)."""
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot:
-        plot_rows(results, args.plot)
+        plot(args.plot)
     return 0
 
 

@@ -18,6 +18,7 @@ import pytest
 from decode import merge
 from decode.common import run
 from decode.jobs import JobSettings, Shard, build_manifest
+from process_helpers import run_two_hosts
 from spec_helpers import tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,30 +218,13 @@ def test_merge_of_fake_shards_is_in_input_order(tmp_path, capsys):
     assert [r["id"] for r in rows(tmp_path / "all.jsonl")] == list(range(5))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_multi_host_job_refused_by_process_0_stops_every_process(setup, tmp_path):
     """Process 0 alone checks the output; it tells the others it refused, so none waits on it."""
     root, _ = setup
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
-    port = _free_port()
-    flags = ["--mesh", "2,1", "--distributed", "--coordinator", f"localhost:{port}", "--num-processes", "2"]
-    hosts = [subprocess.Popen(job_cmd(root, notes) + flags + ["--process-id", str(i)],
-                              cwd=REPO, env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        errs = [h.communicate(timeout=120)[1] for h in hosts]
-    finally:
-        for h in hosts:
-            if h.poll() is None:
-                h.kill()
-                h.wait()
-    assert [h.returncode for h in hosts] == [2, 2], errs
+    codes, errs = run_two_hosts(job_cmd(root, notes), ENV, timeout=120)
+    assert codes == [2, 2], errs
     assert f"taps-decode: error: refusing to overwrite {notes}: it has no job manifest" in errs[0]
     assert f"taps-decode: error: process 0 refused the job on {notes} (its error says why)" in errs[1]
     assert notes.read_text() == "my notes\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from decode import jobs
+from process_helpers import run_two_hosts
 from spec_helpers import tiny_pair
 from taps_jax.decoder import SpeculativeDecoder
 
@@ -174,12 +174,6 @@ def test_run_job_refuses_what_is_not_its_own_and_force_new_moves_aside(tmp_path)
     assert all(r["num_tokens"] == NEW + 1 for r in read_rows(out)) and len(read_rows(out)) == 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_sigkill_then_rerun_loses_and_duplicates_nothing(tmp_path):
     """Run the CLI job in a subprocess, SIGKILL it after its first lines, rerun: each id exactly once.
 
@@ -219,19 +213,8 @@ def test_sigkill_then_rerun_loses_and_duplicates_nothing(tmp_path):
     assert 1 <= len(first) < len(prompts), "the kill should land mid-job"
     with out.open("ab") as fh:  # and a torn line, as if the kill had cut a write
         fh.write(b'{"id": 999, "token_ids": [1, 2')
-    port = _free_port()
-    hosts = [subprocess.Popen(cmd + ["--mesh", "2,1", "--distributed", "--coordinator", f"localhost:{port}",
-                                     "--num-processes", "2", "--process-id", str(i)],
-                              cwd=REPO, env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        errs = [h.communicate(timeout=300)[1] for h in hosts]
-    finally:
-        for h in hosts:
-            if h.poll() is None:
-                h.kill()
-                h.wait()
-    assert [h.returncode for h in hosts] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    codes, errs = run_two_hosts(cmd, env, timeout=300)
+    assert codes == [0, 0], errs[0][-2000:] + errs[1][-2000:]
     assert f"{len(first)} prompts already done" in errs[0] and "already done" not in errs[1]
     rows = read_rows(out)  # every line parses, none torn
     assert sorted(r["id"] for r in rows) == list(range(len(prompts)))  # each id exactly once

@@ -10,11 +10,9 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from spec_helpers import tiny_pair
-from taps_jax import api, decoder as decoder_module
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
 from taps_jax.engine import sizing
 from taps_jax.engine.sizing import capacity_bucket, estimate_memory, plan_capacity
@@ -23,15 +21,6 @@ from taps_jax.engine.sizing import capacity_bucket, estimate_memory, plan_capaci
 @pytest.fixture(scope="module")
 def models():
     return load_model_set(DEFAULT_MODEL_DIR)
-
-
-@pytest.fixture
-def no_tracing(monkeypatch):
-    def traced(*args, **kwargs):
-        raise AssertionError("a size check let the call reach the compiled generate")
-
-    monkeypatch.setattr(api, "ar_generate", traced)
-    monkeypatch.setattr(decoder_module, "spec_generate", traced)
 
 
 def test_prompt_beyond_the_context_is_refused(models, no_tracing):
