@@ -60,8 +60,8 @@ class Programs:
 
 def _dynamic(fn, static: tuple[str, ...], args, kwargs):
     """The (args, kwargs) an ahead-of-time executable of `fn` takes: static arguments dropped."""
-    params = inspect.signature(fn).parameters
-    bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    signature = inspect.signature(fn)
+    params, bound = signature.parameters, signature.bind(*args, **kwargs).arguments
     pos = [v for k, v in bound.items() if k not in static and params[k].kind != inspect.Parameter.KEYWORD_ONLY]
     kw = {k: v for k, v in bound.items() if k not in static and params[k].kind == inspect.Parameter.KEYWORD_ONLY}
     return tuple(pos), kw
