@@ -145,13 +145,29 @@ def test_one_generate_loop_and_no_host_callbacks():
     from spec_helpers import primitives
 
     names = list(primitives(jaxpr.jaxpr))
-    assert "cond" in names  # the lax.switch of the branches
+    # Branches are while loops of 0 or 1 trips (`run_if`): a conditional writing the caches copies them.
+    assert "cond" not in names
     host = [n for n in names if "callback" in n or n in ("infeed", "outfeed")]
     assert not host, host
     before = spec_generate._cache_size()
     dec.generate([[4, 5, 6]], 16)
     SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(2, 2, 2, 2, 2)).generate([[4, 5, 6]], 16)
     assert spec_generate._cache_size() - before == 1  # new costs are data, not a new program
+
+
+def test_caches_are_updated_in_place():
+    """The compiled adaptive program never copies a whole KV cache (as a conditional's operand would be)."""
+    import re
+
+    from taps_jax.engine.speculative import spec_start
+
+    target, drafter = tiny_pair(VOCAB)
+    call = SpeculativeDecoder(target, drafter, "adaptive", 16, costs=(1, 2, 3, 4, 5)).prepare([[1, 2, 3]], 16)
+    s, _ = jax.eval_shape(lambda *a: spec_start(*a, **call.kwargs), *call.args)
+    caches = {tuple(x.shape) for x in (s.cache.k_LBKHS, s.cache.v_LBKSH, s.dcache.k_LBKHS, s.dcache.v_LBKSH)}
+    hlo = spec_generate.lower(*call.args, **call.kwargs).compile().as_text()
+    copied = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= f32\[([0-9,]*)\]\S* copy\(", hlo) if m]
+    assert copied and not caches & set(copied), (caches, copied)
 
 
 def test_costs_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):

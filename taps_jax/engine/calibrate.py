@@ -2,8 +2,9 @@
 
 A branch's round is timed in the generate program itself (so nothing more
 compiles): forced to one branch every round and stopped after a few
-rounds, on the batch being decoded, median of interleaved repeats. The figures depend on the device, the models, the branch budgets,
-the batch and the cache capacity, which together key the cache file
+rounds, on the batch being decoded, least of interleaved repeats. The
+figures depend on the device, the models, the branch budgets, the batch,
+the cache capacity and the engine version, which together key the cache file
 (`$TAPS_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/taps-jax`, else
 `~/.cache/taps-jax`; `adaptive_costs.json`). Delete that file to measure
 again (e.g. after a hardware change the key does not see).
@@ -15,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -25,6 +25,8 @@ import numpy as np
 from taps_jax.engine import speculative as spec
 
 CACHE_FILE = "adaptive_costs.json"
+# Part of the cache key: bump when a change to the engine changes what a round costs.
+ENGINE_VERSION = 2  # 2: AR rounds run back to back (`speculative.ar_run`), branches write caches in place
 _memory: dict[str, tuple[float, ...]] = {}
 
 
@@ -42,6 +44,7 @@ def cost_key(args, kwargs) -> str:
     leaves = jax.tree_util.tree_leaves(target_params)
     devices = jax.devices()
     facts = {
+        "engine": ENGINE_VERSION,
         "device": f"{devices[0].platform}:{devices[0].device_kind}",
         "devices": len(devices),
         # Parameter shapes of target, drafter and scorer (a graphdef's repr is not stable across processes).
@@ -59,11 +62,14 @@ def cost_key(args, kwargs) -> str:
 
 
 def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float, ...]:
-    """Milliseconds per round of each branch (median of `repeats`, interleaved across branches).
+    """Milliseconds per round of each branch (least of `repeats`, interleaved across branches).
 
     The generate program itself (no second compile) runs one branch every
     round (`force`), stopped after r1 and after r2 rounds (`max_rounds`);
     the difference divided by the rounds between leaves out the prefill.
+    The least time of the repeats, not the median: on a shared machine other
+    work only ever adds time, and a busy moment must not make one branch look
+    dearer than the others for as long as the figures stay cached.
     """
     budgets = kwargs["config"].adaptive.budgets
 
@@ -83,7 +89,7 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float,
             t1, n1 = run(k, r1)
             t2, n2 = run(k, r2 if budgets[k] == 0 else min(r2, 6))
             times[k].append((t2 - t1) / (n2 - n1) * 1e3 if n2 > n1 else t2 / max(n2, 1) * 1e3)
-    return tuple(max(statistics.median(t), 1e-3) for t in times)
+    return tuple(max(min(t), 1e-3) for t in times)
 
 
 def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:

@@ -29,12 +29,12 @@ from taps_jax.engine.ar import DecodeConfig, bounded_loop, running
 from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
 from taps_jax.engine.sampling import sample
 from taps_jax.models.cache import KVCache
-from taps_jax.sharding import _current_mesh as current_mesh, constrain_batch, constrain_kv_cache
+from taps_jax.sharding import constrain_batch, constrain_kv_cache
 from taps_jax.models.drafter import DrafterCache, draft_logits
 from taps_jax.tree.accept import accept_walk
 from taps_jax.tree.policies import TreeConfig, draft_tree
 from taps_jax.tree.scorer import taps_log_qcond_fn
-from taps_jax.tree.select import Tree, ancestor_mask
+from taps_jax.tree.select import ancestor_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,108 +248,107 @@ def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> Spe
     return verify_stage(target, drafter, s, dcache, tree, config)[0]
 
 
-# Adaptive rounds. A `lax.switch` branch that wrote a loop-carried cache would
-# copy it whole every round (XLA cannot update a conditional's operand in
-# place), so branches only read the caches and return what to commit: the
-# accepted path's target K/V and the drafter context K/V they absorbed, both
-# [L, B, A, K, H]; `commit_branch` writes them outside the switch.
+# Adaptive rounds. The chosen branch runs inside a `lax.while_loop` of zero or
+# one trips (`run_if`), not a `lax.switch`: a loop body updates its carry in
+# place, where a conditional branch that wrote a loop-carried cache would make
+# XLA copy the whole cache every round. So every branch is the fixed policy's
+# round, caches written in place, and an AR step is `ar_round`.
 
 
-def root_tree(bonus_B) -> Tree:
-    """The one-node tree of an AR step: the pending token alone."""
-    B = bonus_B.shape[0]
-    zeros_B1 = jnp.zeros((B, 1), jnp.int32)
-    return Tree(tokens_BT=bonus_B[:, None].astype(jnp.int32), parents_BT=zeros_B1 - 1, depths_BT=zeros_B1,
-                valid_BT=jnp.ones((B, 1), bool), pool_index_BT=zeros_B1 - 1, max_depth=0)
+def run_if(pred, fn, carry):
+    """`fn(carry)` if `pred` else `carry`, as a while loop of 0 or 1 trips (in place, unlike `lax.cond`)."""
+    return jax.lax.while_loop(lambda c: c[1], lambda c: (fn(c[0]), jnp.zeros((), bool)), (carry, pred))[0]
 
 
-def _pending_kv(drafter, s: SpecState):
-    """Drafter context K/V [L, B, A, K, H] of the pending tap features, at positions dcache.lengths + c."""
-    A = s.ctx_taps_BAF.shape[1]
-    return drafter.context_kv(s.ctx_taps_BAF, s.dcache.lengths_B[:, None] + jnp.arange(A, dtype=jnp.int32)[None])
-
-
-def _verify_read_only(target, drafter, s: SpecState, tree, config: SpecConfig):
-    """Target forward over the tree (cache read only), accept and emit; the accepted K/V and taps, padded to A."""
-    H, T, A = _sizes(drafter, config)
-    A_tree = min(H + 1, tree.tokens_BT.shape[1])
-    positions_BT = s.cache.lengths_B[:, None] + tree.depths_BT
-    logits_BTV, taps_BTF, (k_LBTKH, v_LBTKH) = target(
-        tree.tokens_BT, positions_BT, ancestor_mask(tree), s.cache, drafter.config.target_layer_ids, write=False)
-    acc, path_BA, commit_B, fields = _accept_emit(s, tree, logits_BTV, config, A_tree, T)
-    pad = ((0, 0), (0, 0), (0, A - A_tree), (0, 0), (0, 0))
-    index = path_BA[None, :, :, None, None]
-    kv = (jnp.pad(jnp.take_along_axis(k_LBTKH, index, axis=2), pad),
-          jnp.pad(jnp.take_along_axis(v_LBTKH, index, axis=2), pad), commit_B)
-    taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1).astype(s.ctx_taps_BAF.dtype)
-    return acc, kv, taps_BAF, fields
-
-
-def ar_branch(target, drafter, s: SpecState, config: SpecConfig):
+def ar_round(target, drafter, s: SpecState, config: SpecConfig) -> SpecState:
     """A plain AR step (one target token, no draft) that keeps the drafter's context whole.
 
-    The new token's tap features join the pending ones; only when that buffer
-    is full does the drafter absorb it (a `lax.cond` over small arrays), so a
-    run of AR steps pays the context projection once per A tokens and the
-    next draft sees every committed token, as after a speculative round.
+    The new token's tap features join the pending ones (`ctx_taps_BAF`), which
+    the next draft absorbs; the caller absorbs them first when the queue is
+    full (`absorb_context`). Same stop rules as a tree round (headroom for the
+    largest tree).
     """
     B, A = s.ctx_taps_BAF.shape[:2]
-    full = jnp.any(s.ctx_count_B >= A)
-    shape = jax.eval_shape(lambda: _pending_kv(drafter, s))
-    dk, dv = jax.lax.cond(full, lambda: _pending_kv(drafter, s),
-                          lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in shape))
-    absorbed_B = jnp.where(full, s.ctx_count_B, 0)
-    count_B = s.ctx_count_B - absorbed_B
-    _, kv, taps_BAF, fields = _verify_read_only(target, drafter, s, root_tree(s.bonus_B), config)
-    commit_B = kv[2]
-    slot_BA = jnp.where(jnp.arange(A)[None] < commit_B[:, None], count_B[:, None] + jnp.arange(A), A)
-    fields.update(ctx_taps_BAF=s.ctx_taps_BAF.at[jnp.arange(B)[:, None], slot_BA].set(taps_BAF, mode="drop"),
-                  ctx_count_B=count_B + commit_B)
-    return fields, kv, (dk, dv, absorbed_B)
+    _, T, _ = _sizes(drafter, config)
+    dc = config.decode
+    N = dc.max_new_tokens
+    running_B = s.finish_B == RUNNING
+    batch_B = jnp.arange(B)
+    logits_B1V, taps_B1F, cache = target(s.bonus_B[:, None], s.cache.lengths_B[:, None], jnp.ones((B, 1, 1), bool),
+                                         s.cache, drafter.config.target_layer_ids)
+    cache = cache.replace(lengths_B=cache.lengths_B + running_B)
+    key, sub = jax.random.split(s.key)
+    token_B = sample(logits_B1V[:, 0], sub, dc.sampling)
+    out_BN = s.out_BN.at[batch_B, jnp.where(running_B, s.generated_B, N + A)].set(token_B, mode="drop")
+    generated_B = s.generated_B + running_B
+    reason_B = stop_reason(token_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
+    ctx_slot_B = jnp.where(running_B, s.ctx_count_B, A)
+    return _pin(s.replace(
+        cache=cache,
+        ctx_taps_BAF=s.ctx_taps_BAF.at[batch_B, ctx_slot_B].set(taps_B1F[:, 0].astype(s.ctx_taps_BAF.dtype),
+                                                                 mode="drop"),
+        ctx_count_B=s.ctx_count_B + running_B,
+        bonus_B=jnp.where(running_B, token_B, s.bonus_B),
+        out_BN=out_BN,
+        generated_B=generated_B,
+        finish_B=jnp.where(running_B, reason_B, s.finish_B),
+        rounds_B=s.rounds_B + running_B,
+        accepted_BR=s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(1, mode="drop"),
+        key=key,
+    ))
 
 
-def spec_branch(target, drafter, scorer, s: SpecState, config: SpecConfig, budget: int):
+def absorb_context(drafter, s: SpecState) -> SpecState:
+    """Move the pending tap features into the drafter's context cache (what a draft does first)."""
+    dcache = drafter.append_context(s.ctx_taps_BAF, s.ctx_count_B, s.dcache)
+    return _pin(s.replace(dcache=dcache, ctx_count_B=jnp.zeros_like(s.ctx_count_B)))
+
+
+def tree_round(target, drafter, scorer, s: SpecState, config: SpecConfig, budget: int):
     """A speculative round with a tree of `budget` nodes drawn from the largest tree's pool.
 
     Also returns [B, K]: what each budget <= this one would have accepted
     from the same draft and target samples (`adaptive.accepted_by_budget`).
     """
-    A = s.ctx_taps_BAF.shape[1]
-    B = s.bonus_B.shape[0]
-    dk, dv = _pending_kv(drafter, s)
-    valid_BA = jnp.arange(A)[None] < s.ctx_count_B[:, None]
-    Kb = drafter.config.block_size
-    block_BK = jnp.concatenate([s.bonus_B[:, None], jnp.full((B, Kb - 1), drafter.config.mask_token_id, jnp.int32)], 1)
-    block_pos_BK = s.cache.lengths_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
-    draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, s.dcache, (dk, dv, valid_BA))
+    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s)
     tree, aux = _select(dataclasses.replace(config.tree, budget=budget), target, scorer, draft_BHV, hidden_BHD,
                         s.bonus_B)
-    acc, kv, taps_BAF, fields = _verify_read_only(target, drafter, s, tree, config)
-    fields.update(ctx_taps_BAF=jnp.pad(taps_BAF, ((0, 0), (0, A - taps_BAF.shape[1]), (0, 0))), ctx_count_B=kv[2])
+    s, acc = verify_stage(target, drafter, s, dcache, tree, config)
     accepted_BK = adapt.accepted_by_budget(adapt.tree_ranks(tree, aux.log_reach_BN), acc.path_BA,
                                            acc.path_valid_BA, config.adaptive.budgets)
-    return (fields, kv, (dk, dv, s.ctx_count_B)), accepted_BK
+    return s, accepted_BK
 
 
-def branch_step(target, drafter, scorer, s: SpecState, config: SpecConfig, budget: int):
-    """One exact round of one adaptive branch, before its commit: ((fields, kv, dkv), [B, K] accepted lengths)."""
-    if budget == 0:
-        B, K = s.bonus_B.shape[0], len(config.adaptive.budgets)
-        return ar_branch(target, drafter, s, config), jnp.ones((B, K), jnp.int32)
-    return spec_branch(target, drafter, scorer, s, config, budget)
+def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
+    """Consecutive AR rounds (branch 0), as many as the per-round choice would make in a row.
 
+    While branch 0 is chosen, a round changes nothing the choice reads but the
+    cost spent, so the run goes on until a probe is due (spent >= wait), a
+    sequence stops (the sums over running sequences change) or `limit`
+    rounds; also until the pending tap queue is full (absorbed at the next
+    run's start). The choice and the statistics' update are paid once per run.
+    """
+    ac = config.adaptive
+    A = carry[0].ctx_taps_BAF.shape[1]
+    carry = run_if(jnp.any(carry[0].ctx_count_B >= A), lambda c: (absorb_context(drafter, c[0]), c[1]), carry)
+    running0_B = carry[0].finish_B == RUNNING
 
-def commit_branch(s: SpecState, out) -> SpecState:
-    """Write a branch's accepted target K/V and absorbed drafter context in place (outside the switch)."""
-    fields, (k, v, commit_B), (dk, dv, absorbed_B) = out
-    # Running sequences have lengths + T <= capacity (stop_reason), so the A slots fit; a finished
-    # sequence's cache is never read again. A batch split over devices takes one scatter instead of a
-    # per-row update at a dynamic index of the sharded axis.
-    write = "write_rows" if current_mesh() is None else "write_all"
-    cache = getattr(s.cache, write)(k, v)
-    dcache = getattr(s.dcache, write)(dk, dv)
-    return _pin(s.replace(cache=cache.replace(lengths_B=cache.lengths_B + commit_B),
-                          dcache=dcache.replace(lengths_B=dcache.lengths_B + absorbed_B), **fields))
+    def go_on(c):
+        (s, st), steps = c
+        # Another AR round: forced (calibration), or chosen again (no probe due); one only when cycling.
+        again = (force == 0) | ((force < 0) & (st.spent < st.wait)) if not ac.force_cycle else False
+        more = (steps == 0) | again
+        same = jnp.all((s.finish_B == RUNNING) == running0_B)
+        return more & same & jnp.all(s.ctx_count_B < A) & (st.round < limit)
+
+    def step(c):
+        (s, st), steps = c
+        R = st.branch_R.shape[0]
+        st = st.replace(spent=st.spent + costs_K[0], round=st.round + 1,
+                        branch_R=st.branch_R.at[jnp.minimum(st.round, R)].set(0, mode="drop"))
+        return (ar_round(target, drafter, s, config), st), steps + 1
+
+    return jax.lax.while_loop(go_on, step, (carry, jnp.int32(0)))[0]
 
 
 def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, force, limit):
@@ -357,18 +356,23 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
 
     carry: (SpecState, AdaptiveState); runs while a sequence runs and the
     round count is below `limit`. force >= 0: run that branch every round
-    (data, for the calibration: `taps_jax.engine.calibrate`).
+    (data, for the calibration: `taps_jax.engine.calibrate`). A choice of
+    branch 0 runs AR rounds until the choice could change (`ar_run`).
     """
     ac = config.adaptive
-    branches = [functools.partial(branch_step, target, drafter, scorer, config=config, budget=m) for m in ac.budgets]
 
     def body(carry):
         s, st = carry
         running_B = s.finish_B == RUNNING
         k, probe = adapt.choose(st, running_B, costs_K, ac)
         k = jnp.where(force >= 0, force, k)
-        out, accepted_BK = jax.lax.switch(k, branches, s)
-        return commit_branch(s, out), adapt.update(st, k, probe, accepted_BK, running_B, costs_K, ac)
+        carry = run_if(k == 0, lambda c: ar_run(target, drafter, c, costs_K, config, force, limit), carry)
+        for i, budget in enumerate(ac.budgets[1:], start=1):
+            def branch(c, i=i, budget=budget):
+                s, accepted_BK = tree_round(target, drafter, scorer, c[0], config, budget)
+                return s, adapt.update(c[1], i, probe, accepted_BK, running_B, costs_K, ac)
+            carry = run_if(k == i, branch, carry)
+        return carry
 
     return jax.lax.while_loop(lambda c: running(c[0]) & (c[1].round < limit), body, carry)
 

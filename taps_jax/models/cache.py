@@ -84,39 +84,6 @@ class KVCache:
             cache = cache.write_layer(layer, k_LBTKH[layer], v_LBTKH[layer], start)
         return cache
 
-    def write_rows(self, k_LBTKH, v_LBTKH) -> "KVCache":
-        """Write T slots of every layer at each sequence's `lengths`, one row at a time.
-
-        One dynamic_update_slice per sequence (in place; on CPU a scatter
-        into the whole cache costs as much as an AR step's forward). The
-        caller guarantees lengths + T <= capacity for every sequence that
-        still matters: a start past that is clamped back onto earlier slots.
-        """
-        k_LBKHT = k_LBTKH.transpose(0, 1, 3, 4, 2).astype(self.k_LBKHS.dtype)
-        v_LBKTH = v_LBTKH.transpose(0, 1, 3, 2, 4).astype(self.v_LBKSH.dtype)
-
-        def row(b, cache):
-            start = cache.lengths_B[b]
-            k = jax.lax.dynamic_slice_in_dim(k_LBKHT, b, 1, axis=1)
-            v = jax.lax.dynamic_slice_in_dim(v_LBKTH, b, 1, axis=1)
-            return cache.replace(k_LBKHS=jax.lax.dynamic_update_slice(cache.k_LBKHS, k, (0, b, 0, 0, start)),
-                                 v_LBKSH=jax.lax.dynamic_update_slice(cache.v_LBKSH, v, (0, b, 0, start, 0)))
-
-        return jax.lax.fori_loop(0, k_LBTKH.shape[1], row, self)
-
-    def write_all(self, k_LBTKH, v_LBTKH) -> "KVCache":
-        """`write_rows` as one scatter per tensor (slots past the capacity dropped): for a batch split over devices."""
-        B, T = k_LBTKH.shape[1:3]
-        batch_B1 = jnp.arange(B)[:, None]
-        slots_BT = self.lengths_B[:, None] + jnp.arange(T)[None, :]
-        # Index arrays around sliced axes put their [B, T] first, then L, K, H.
-        return self.replace(
-            k_LBKHS=self.k_LBKHS.at[:, batch_B1, :, :, slots_BT].set(
-                k_LBTKH.transpose(1, 2, 0, 3, 4).astype(self.k_LBKHS.dtype), mode="drop"),
-            v_LBKSH=self.v_LBKSH.at[:, batch_B1, :, slots_BT].set(
-                v_LBTKH.transpose(1, 2, 0, 3, 4).astype(self.v_LBKSH.dtype), mode="drop"),
-        )
-
     def gather_commit(self, index_BA, count_B) -> "KVCache":
         """Commit `count_B` of the slots written by the last forward.
 

@@ -21,7 +21,6 @@ Attribute names follow the checkpoint (fc, hidden_norm, layers.{i}..., norm).
 from __future__ import annotations
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -77,21 +76,11 @@ class DrafterAttention(nnx.Module):
         out_BTNH = attend(q, keys, values, mask_BTR)
         return self.o_proj(out_BTNH.reshape(B, T, -1))
 
-    def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int, pending=None):
-        """Inference: the block sees cached context slots [0, lengths) and the whole block, blockwise.
-
-        pending: (k [B, C, K, H], v, valid [B, C]) of context tokens not yet
-        in the cache (at positions lengths + c), seen as if they were.
-        """
+    def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int):
+        """Inference: the block sees cached context slots [0, lengths) and the whole block, blockwise."""
         B, T, _ = x_BTD.shape
         q, k, v = self._block_qkv(x_BTD, rope)
-        mask_BTR = jnp.ones((B, T, T), bool)
-        if pending is not None:
-            ctx_k, ctx_v, valid_BC = pending
-            k = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
-            v = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
-            mask_BTR = jnp.concatenate([jnp.broadcast_to(valid_BC[:, None], (B, T, valid_BC.shape[1])), mask_BTR], 2)
-        out_BTNH, _ = attend_cached(q, k, v, mask_BTR, cache, layer)  # read only: nothing writes after
+        out_BTNH, _ = attend_cached(q, k, v, jnp.ones((B, T, T), bool), cache, layer)  # read only
         return self.o_proj(out_BTNH.reshape(B, T, -1))
 
 
@@ -109,10 +98,10 @@ class DrafterLayer(nnx.Module):
         x_BTD = x_BTD + self.self_attn(h, rope, ctx_k_BSKH, ctx_v_BSKH, mask_BTR)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
-    def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int, pending=None):
-        """Blockwise attention over the cached context (+ pending context) + the whole block (inference)."""
+    def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int):
+        """Blockwise attention over the cached context + the whole block (inference)."""
         h = self.input_layernorm(x_BTD)
-        x_BTD = x_BTD + self.self_attn.cached(h, rope, cache, layer, pending)
+        x_BTD = x_BTD + self.self_attn.cached(h, rope, cache, layer)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
@@ -166,7 +155,7 @@ class Drafter(nnx.Module):
         cache = cache.write(k_LBCKH, v_LBCKH, start)
         return cache.replace(lengths_B=cache.lengths_B + count_B.astype(cache.lengths_B.dtype))
 
-    def __call__(self, block_embeds_BKD, block_positions_BK, cache: DrafterCache, pending=None):
+    def __call__(self, block_embeds_BKD, block_positions_BK, cache: DrafterCache):
         """Run a block non-causally against the cached context.
 
         block_embeds_BKD: the block embedded with the target's table;
@@ -174,17 +163,13 @@ class Drafter(nnx.Module):
         Queries come from the block only; keys/values are the cached context
         slots < lengths plus the whole block, with no mask among block tokens
         (blockwise over the cache, `layers.attend_cached`).
-        pending: (k [L, B, C, K, H], v, valid [B, C]) from `context_kv` of
-        context tokens not yet appended (positions lengths + c): the block sees
-        them as if they were, and the cache is left untouched.
         Returns the final-normed hidden states [B, Kb, D]; apply the target's
         lm_head (see `draft_logits`).
         """
         rope = self._rope(block_positions_BK)
         x_BKD = block_embeds_BKD.astype(self.config.jnp_dtype)
         for i, layer in enumerate(self.layers):
-            layer_pending = None if pending is None else (pending[0][i], pending[1][i], pending[2])
-            x_BKD = layer.cached(x_BKD, rope, cache, i, layer_pending)
+            x_BKD = layer.cached(x_BKD, rope, cache, i)
         return self.norm(x_BKD)
 
     def forward_masked(self, block_embeds_BTD, block_positions_BT, taps_BCF, ctx_positions_BC, mask_BTR):
@@ -217,7 +202,7 @@ class Drafter(nnx.Module):
         return self.forward_masked(block_embeds_BKD, block_positions_BK, taps_BCF, ctx_positions_BC, mask_BKR)
 
 
-def draft_logits(drafter: Drafter, target, block_tokens_BK, block_positions_BK, cache: DrafterCache, pending=None):
+def draft_logits(drafter: Drafter, target, block_tokens_BK, block_positions_BK, cache: DrafterCache):
     """Drafter proposals for one round.
 
     target: the target `Transformer` (its embedding table and lm_head are
@@ -226,6 +211,6 @@ def draft_logits(drafter: Drafter, target, block_tokens_BK, block_positions_BK, 
     1..Kb-1; slot k predicts the token at position block_positions[:, 0] + k.
     """
     embeds_BKD = target.embed(block_tokens_BK)
-    hidden_BKD = drafter(embeds_BKD, block_positions_BK, cache, pending)
+    hidden_BKD = drafter(embeds_BKD, block_positions_BK, cache)
     hidden_BHD = hidden_BKD[:, 1:]
     return target.unembed(hidden_BHD).astype(jnp.float32), hidden_BHD

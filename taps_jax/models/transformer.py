@@ -11,7 +11,6 @@ the Hugging Face layout so checkpoint mapping is mechanical.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -55,19 +54,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
 
-    def __call__(self, x_BTD, rope, mask_BTT, cache: KVCache | None, layer: int, write_at, write: bool = True):
-        """Returns the layer output and the cache holding this chunk's K/V (None without a cache).
-
-        write=False: the cache is only read and the chunk's (k, v) [B, T, K, H]
-        come back instead of it (for a caller that commits them itself).
-        """
+    def __call__(self, x_BTD, rope, mask_BTT, cache: KVCache | None, layer: int, write_at):
+        """Returns the layer output and the cache holding this chunk's K/V (None without a cache)."""
         B, T, _ = x_BTD.shape
         q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), rope)
         if cache is None:
             attn_BTNH = attend(q, k, v, mask_BTT)
-        elif not write:
-            attn_BTNH, _ = attend_cached(q, k, v, mask_BTT, cache, layer)
-            cache = (k, v)
         else:
             # Write first (in place), then attend to committed slots + the new tokens: no cache copy.
             cache = cache.write_layer(layer, k, v, write_at)
@@ -108,7 +100,7 @@ class Transformer(nnx.Module):
         return self.lm_head(x_BTD).astype(jnp.float32)
 
     def hidden(self, tokens_BT, positions_BT, mask_BTT, cache: KVCache | None = None, taps: tuple[int, ...] = (),
-               write_at=None, write: bool = True):
+               write_at=None):
         """The layer stack over a chunk of new tokens, without the head.
 
         tokens_BT, positions_BT: int32 [B, T]. mask_BTT: bool [B, T, T], which
@@ -120,26 +112,17 @@ class Transformer(nnx.Module):
         ids whose OUTPUTS are returned, concatenated [B, T, len(taps) * D].
 
         Returns (last layer's output [B, T, D] before the final norm, taps or None, cache).
-        write=False: the cache is only read, and the chunk's K/V come back in
-        its place as (k [L, B, T, K, H], v [L, B, T, K, H]): inside a
-        `lax.switch` branch, writing a loop-carried cache would copy it whole.
         """
         c = self.config
         rope = rope_table(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
         x_BTD = self.embed(tokens_BT)
-        tapped, new_kv = {}, []
+        tapped = {}
         for i, layer in enumerate(self.layers):
-            x_BTD, out = layer(x_BTD, rope, mask_BTT, cache, i, write_at, write)
-            if write:
-                cache = out
-            else:
-                new_kv.append(out)
+            x_BTD, cache = layer(x_BTD, rope, mask_BTT, cache, i, write_at)
             if i in taps:
                 # HF hidden_states[L] (what DFlash reads) is the final-normed output of the last layer.
                 tapped[i] = self.norm(x_BTD) if i == c.num_layers - 1 else x_BTD
         taps_BTF = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        if not write:
-            cache = tuple(jnp.stack(t) for t in zip(*new_kv))
         return x_BTD, taps_BTF, cache
 
     def __call__(
@@ -150,17 +133,15 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         taps: tuple[int, ...] = (),
         logits_index_BI=None,
-        write: bool = True,
     ):
         """Forward a chunk of new tokens (see `hidden`) and apply the head.
 
         logits_index_BI: optional [B, I] positions whose logits are wanted
         (saves the [B, T, V] head when only a few rows matter).
 
-        Returns (logits [B, T or I, V] float32, taps [B, T, n*D] or None, cache
-        or, with write=False, the chunk's (k, v); see `hidden`).
+        Returns (logits [B, T or I, V] float32, taps [B, T, n*D] or None, cache).
         """
-        x_BTD, taps_BTF, cache = self.hidden(tokens_BT, positions_BT, mask_BTT, cache, taps, write=write)
+        x_BTD, taps_BTF, cache = self.hidden(tokens_BT, positions_BT, mask_BTT, cache, taps)
         if logits_index_BI is not None:
             x_BTD = jnp.take_along_axis(x_BTD, logits_index_BI[..., None], axis=1)
         return self.head(x_BTD), taps_BTF, cache
