@@ -205,7 +205,7 @@ def test_generate_on_mesh_matches_one_device(model_dir, reference, shape):
 
 
 def test_adaptive_on_mesh_matches_one_device(model_dir, reference):
-    """Every adaptive branch in turn (the commit after the switch is a scatter when the batch is split)."""
+    """Every adaptive branch in turn, AR rounds included."""
     from taps_jax.engine.adaptive import AdaptiveConfig
 
     models = load_model_set(model_dir, mesh=mesh_of((4, 2)))

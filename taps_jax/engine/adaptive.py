@@ -3,9 +3,9 @@
 Speculation pays only when a round's expected accepted length beats its cost
 in AR steps, and that break-even moves with the hardware, the batch, the
 temperature and the text. The adaptive policy compiles a small static set of
-budgets (0 = one plain target step, no draft) as `lax.switch` branches of the
-one generate loop; every branch is an exact round, so the choice never
-changes what is sampled, only how fast.
+budgets (0 = one plain target step, no draft) as branches of the one
+generate loop (`taps_jax.engine.speculative.adaptive_loop`); every branch is
+an exact round, so the choice never changes what is sampled, only how fast.
 
 Choice (one branch per round for the whole batch): maximise expected tokens
 per unit cost. Expected tokens of branch k = sum over running sequences of an

@@ -8,10 +8,10 @@ One round, per sequence (all batched, static shapes, on device):
 Every emitted token is a target sample given its exact prefix, so the output
 follows the target's distribution at any temperature.
 
-With `SpecConfig.adaptive` the loop body is a `lax.switch` over a few tree
-budgets, 0 being a plain AR step (`ar_stage`), chosen per round from the
-loop's own statistics (`taps_jax.engine.adaptive`); every branch is one of
-these exact rounds, and the state is sized for the largest.
+With `SpecConfig.adaptive` each round runs one of a few tree budgets, 0
+being a plain AR step (`ar_round`), chosen per round from the loop's own
+statistics (`taps_jax.engine.adaptive`); every branch is one of these exact
+rounds, and the state is sized for the largest.
 """
 
 from __future__ import annotations
