@@ -372,8 +372,9 @@ def rehearse(target_config, drafter_config, mesh, *, batch: int, prompt_tokens: 
 def _ar_step_fn(graphdef, params, cache, tokens_B):
     """One AR step of a batch: a one-token forward over the cache + greedy sample (what ar_generate's loop runs)."""
     from taps_jax.engine.sampling import SamplingConfig, sample
+    from taps_jax.engine.static import merge
 
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     B = tokens_B.shape[0]
     logits_B1V, _, cache = model(tokens_B[:, None], cache.lengths_B[:, None], jnp.ones((B, 1, 1), bool), cache)
     return sample(logits_B1V[:, 0], jax.random.key(0), SamplingConfig()), cache

@@ -22,6 +22,7 @@ from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, 
 from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
+from taps_jax.engine.static import StaticGraph
 from taps_jax.models.transformer import Transformer
 
 
@@ -51,6 +52,7 @@ class Target:
         self.eos_ids = tuple(eos_ids)
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        self._static_graph = StaticGraph(self.graphdef)  # what generate passes to jit (hashed once)
         if mesh is not None:
             self.params = sharding.shard_params(self.params, mesh)
 
@@ -109,7 +111,7 @@ class Target:
         check_memory(estimate, self.mesh)
         config = DecodeConfig(max_new_tokens, capacity, sampling, self.eos_ids if stop_at_eos else (), prefill_chunk)
         mesh = self.mesh
-        args = (self.graphdef, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
+        args = (self._static_graph, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
                 sharding.put_batch(active, mesh), jax.random.key(seed))
         programs = Programs(ar_generate, ar_start, ar_advance, lambda s, kw: ar_outputs(s), ("graphdef", "config"))
         return GenerateCall(programs, args, {"config": config},

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -21,6 +22,7 @@ from taps_jax.engine.batching import check_call, check_lengths, pad_batch
 from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
+from taps_jax.engine.static import StaticGraph
 from taps_jax.engine.speculative import SpecConfig, spec_advance, spec_generate, spec_outputs, spec_start
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
@@ -153,6 +155,8 @@ class SpeculativeDecoder:
         self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
         # Each call's final per-branch estimates start the next call with the same sampling settings and costs.
         self._priors = {}
+        self._measured, self._device_costs = {}, {}  # costs per (batch, capacity); costs placed on device
+        self._no_force, self._no_limit = (jnp.int32(-1), jnp.int32(2**30)) if self.adaptive else (None, None)
         self._no_prior = np.full((len(adaptive.budgets),), np.nan, np.float32) if self.adaptive else None
         if policy == "taps" or (policy == "adaptive" and scorer is not None):
             if scorer is None:
@@ -168,6 +172,7 @@ class SpeculativeDecoder:
             check_scorer_target(scorer, target)
             self.scorer = scorer
             self._scorer_graphdef, self._scorer_params = nnx.split(scorer.module)
+            self._scorer_graphdef = StaticGraph(self._scorer_graphdef)
             self._scorer_params = sharding.replicate(self._scorer_params, self.mesh)
         self.target = target
         self.drafter = drafter
@@ -184,6 +189,7 @@ class SpeculativeDecoder:
             module = sharding.replicate_kv_heads(module, self.mesh)  # no-op once loaded onto this mesh
         self._drafter_config = module.config  # kv heads as the caches will hold them
         self._drafter_graphdef, self._drafter_params = nnx.split(module)
+        self._drafter_graphdef = StaticGraph(self._drafter_graphdef)  # jit hashes it on every call
         self._drafter_params = sharding.shard_params(self._drafter_params, self.mesh)
 
     @property
@@ -220,7 +226,7 @@ class SpeculativeDecoder:
         check_memory(estimate, mesh)
         decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else (),
                               prefill_chunk)
-        args = (self.target.graphdef, self.target.params, self._drafter_graphdef, self._drafter_params,
+        args = (self.target._static_graph, self.target.params, self._drafter_graphdef, self._drafter_params,
                 sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh), sharding.put_batch(active, mesh),
                 jax.random.key(seed))
         kwargs = {"config": SpecConfig(decode, self.tree, self.adaptive)}
@@ -230,13 +236,19 @@ class SpeculativeDecoder:
             from taps_jax.engine.calibrate import branch_costs
 
             costs = self.costs
-            if costs is None:
-                with sharding.use_mesh(mesh):
-                    costs = branch_costs(args, kwargs, max_new_tokens)
+            if costs is None:  # the calibration's key only changes with the batch and the capacity
+                if (prompt.shape[0], capacity) not in self._measured:
+                    with sharding.use_mesh(mesh):
+                        self._measured[prompt.shape[0], capacity] = branch_costs(args, kwargs, max_new_tokens)
+                costs = self._measured[prompt.shape[0], capacity]
             self.branch_costs = tuple(costs)  # the last call's, for reports
-            kwargs["costs_K"] = np.asarray(costs, np.float32)
-            kwargs.update(force=np.int32(-1), max_rounds=np.int32(max_new_tokens),
-                          prior_K=self._priors.get((sampling, self.branch_costs), self._no_prior))
+            if self.branch_costs not in self._device_costs:  # placed once: a host array is copied every call
+                self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)
+            # No forced branch, no round limit (a round emits at least one token): device constants, and
+            # the same types as the calibration's numpy values, so the same program.
+            kwargs.update(costs_K=self._device_costs[self.branch_costs], force=self._no_force,
+                          max_rounds=self._no_limit, prior_K=self._priors.get(
+                              (sampling, self.branch_costs), self._no_prior))
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
                             ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
         prior_key = (sampling, self.branch_costs) if self.adaptive is not None else None

@@ -12,10 +12,10 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING, prefill, stop_reason
 from taps_jax.engine.sampling import SamplingConfig, sample
+from taps_jax.engine.static import merge
 from taps_jax.models.cache import KVCache
 
 
@@ -93,7 +93,7 @@ def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, con
 
     active_B marks real sequences; padded batch slots start finished.
     """
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     state = ar_init(model, prompt_BT, prompt_len_B, active_B, key, config)
     state = jax.lax.while_loop(running, lambda s: ar_step(model, s, config), state)
     return ar_outputs(state)
@@ -105,12 +105,12 @@ def ar_generate(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, con
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))
 def ar_start(graphdef, params, prompt_BT, prompt_len_B, active_B, key, *, config: DecodeConfig) -> ARState:
-    return ar_init(nnx.merge(graphdef, params), prompt_BT, prompt_len_B, active_B, key, config)
+    return ar_init(merge(graphdef, params), prompt_BT, prompt_len_B, active_B, key, config)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
 def ar_advance(graphdef, params, state: ARState, steps, *, config: DecodeConfig) -> ARState:
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     return bounded_loop(lambda s: ar_step(model, s, config), state, steps)
 
 

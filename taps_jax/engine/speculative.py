@@ -22,12 +22,12 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from taps_jax.engine import adaptive as adapt
 from taps_jax.engine.ar import DecodeConfig, bounded_loop, running
 from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
 from taps_jax.engine.sampling import sample
+from taps_jax.engine.static import merge
 from taps_jax.models.cache import KVCache
 from taps_jax.sharding import constrain_batch, constrain_kv_cache
 from taps_jax.models.drafter import DrafterCache, draft_logits
@@ -62,14 +62,14 @@ class SpecState:
 
 
 def _merge(target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config):
-    target = nnx.merge(target_graphdef, target_params)
-    drafter = nnx.merge(drafter_graphdef, drafter_params)
+    target = merge(target_graphdef, target_params)
+    drafter = merge(drafter_graphdef, drafter_params)
     scorer = None
     if config.tree.policy == "taps":
         if scorer_graphdef is None or scorer_params is None:
             raise ValueError("Tree policy 'taps' needs a trained scorer: pass scorer_graphdef/scorer_params "
                              "(train one with `python -m train.scorer ...`) or use policy 'ddtree'.")
-        scorer = nnx.merge(scorer_graphdef, scorer_params)
+        scorer = merge(scorer_graphdef, scorer_params)
     return target, drafter, scorer
 
 
