@@ -260,40 +260,34 @@ def run_if(pred, fn, carry):
     return jax.lax.while_loop(lambda c: c[1], lambda c: (fn(c[0]), jnp.zeros((), bool)), (carry, pred))[0]
 
 
-def ar_round(target, drafter, s: SpecState, config: SpecConfig) -> SpecState:
+def ar_round(target, drafter, s: SpecState, config: SpecConfig, slot) -> SpecState:
     """A plain AR step (one target token, no draft) that keeps the drafter's context whole.
 
-    The new token's tap features join the pending ones (`ctx_taps_BAF`), which
-    the next draft absorbs; the caller absorbs them first when the queue is
-    full (`absorb_context`). Same stop rules as a tree round (headroom for the
-    largest tree).
+    The new token's tap features go to slot `slot` of the pending queue
+    (`ctx_taps_BAF`, which the next draft absorbs); `ar_run` does the per-round
+    bookkeeping for its whole run. Same stop rules as a tree round (headroom
+    for the largest tree).
     """
     B, A = s.ctx_taps_BAF.shape[:2]
     _, T, _ = _sizes(drafter, config)
     dc = config.decode
     N = dc.max_new_tokens
     running_B = s.finish_B == RUNNING
-    batch_B = jnp.arange(B)
     logits_B1V, taps_B1F, cache = target(s.bonus_B[:, None], s.cache.lengths_B[:, None], jnp.ones((B, 1, 1), bool),
                                          s.cache, drafter.config.target_layer_ids)
     cache = cache.replace(lengths_B=cache.lengths_B + running_B)
     key, sub = jax.random.split(s.key)
     token_B = sample(logits_B1V[:, 0], sub, dc.sampling)
-    out_BN = s.out_BN.at[batch_B, jnp.where(running_B, s.generated_B, N + A)].set(token_B, mode="drop")
+    out_BN = s.out_BN.at[jnp.arange(B), jnp.where(running_B, s.generated_B, N + A)].set(token_B, mode="drop")
     generated_B = s.generated_B + running_B
     reason_B = stop_reason(token_B, generated_B, cache.lengths_B + T, dc.eos_ids, N, dc.capacity)
-    ctx_slot_B = jnp.where(running_B, s.ctx_count_B, A)
     return _pin(s.replace(
         cache=cache,
-        ctx_taps_BAF=s.ctx_taps_BAF.at[batch_B, ctx_slot_B].set(taps_B1F[:, 0].astype(s.ctx_taps_BAF.dtype),
-                                                                 mode="drop"),
-        ctx_count_B=s.ctx_count_B + running_B,
+        ctx_taps_BAF=jax.lax.dynamic_update_slice(s.ctx_taps_BAF, taps_B1F.astype(s.ctx_taps_BAF.dtype), (0, slot, 0)),
         bonus_B=jnp.where(running_B, token_B, s.bonus_B),
         out_BN=out_BN,
         generated_B=generated_B,
         finish_B=jnp.where(running_B, reason_B, s.finish_B),
-        rounds_B=s.rounds_B + running_B,
-        accepted_BR=s.accepted_BR.at[batch_B, jnp.where(running_B, s.rounds_B, N)].set(1, mode="drop"),
         key=key,
     ))
 
@@ -324,31 +318,37 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
 
     While branch 0 is chosen, a round changes nothing the choice reads but the
     cost spent, so the run goes on until a probe is due (spent >= wait), a
-    sequence stops (the sums over running sequences change) or `limit`
-    rounds; also until the pending tap queue is full (absorbed at the next
-    run's start). The choice and the statistics' update are paid once per run.
+    sequence stops (the sums over running sequences change), `limit` rounds,
+    or A rounds (the pending tap queue, emptied first, is full). The choice
+    and the statistics are paid once per run, not per step: every sequence
+    running at the start ran every round of the run (one that stopped did so
+    in the last).
     """
     ac = config.adaptive
-    A = carry[0].ctx_taps_BAF.shape[1]
-    carry = run_if(jnp.any(carry[0].ctx_count_B >= A), lambda c: (absorb_context(drafter, c[0]), c[1]), carry)
-    running0_B = carry[0].finish_B == RUNNING
+    s, st = carry
+    A = s.ctx_taps_BAF.shape[1]
+    N = s.accepted_BR.shape[1]
+    R = st.branch_R.shape[0]
+    s = absorb_context(drafter, s)  # step i's tap features go to slot i of every row
+    running0_B = s.finish_B == RUNNING
+    due = jnp.ceil((st.wait - st.spent) / costs_K[0]).astype(jnp.int32)  # AR rounds until a probe
+    steps = jnp.where(force == 0, A, jnp.where(force < 0, jnp.clip(due, 1, A), 1))
+    steps = jnp.minimum(1 if ac.force_cycle else steps, limit - st.round)
 
     def go_on(c):
-        (s, st), steps = c
-        # Another AR round: forced (calibration), or chosen again (no probe due); one only when cycling.
-        again = (force == 0) | ((force < 0) & (st.spent < st.wait)) if not ac.force_cycle else False
-        more = (steps == 0) | again
-        same = jnp.all((s.finish_B == RUNNING) == running0_B)
-        return more & same & jnp.all(s.ctx_count_B < A) & (st.round < limit)
+        s, i = c
+        return (i < steps) & jnp.all((s.finish_B == RUNNING) == running0_B)
 
-    def step(c):
-        (s, st), steps = c
-        R = st.branch_R.shape[0]
-        st = st.replace(spent=st.spent + costs_K[0], round=st.round + 1,
-                        branch_R=st.branch_R.at[jnp.minimum(st.round, R)].set(0, mode="drop"))
-        return (ar_round(target, drafter, s, config), st), steps + 1
-
-    return jax.lax.while_loop(go_on, step, (carry, jnp.int32(0)))[0]
+    s, ran = jax.lax.while_loop(go_on, lambda c: (ar_round(target, drafter, c[0], config, c[1]), c[1] + 1),
+                                (s, jnp.int32(0)))
+    ran_B = jnp.where(running0_B, ran, 0)
+    r_BN = jnp.arange(N)[None] - s.rounds_B[:, None]
+    r_R = jnp.arange(R) - st.round
+    s = s.replace(ctx_count_B=ran_B, rounds_B=s.rounds_B + ran_B,
+                  accepted_BR=jnp.where((r_BN >= 0) & (r_BN < ran_B[:, None]), 1, s.accepted_BR))
+    st = st.replace(spent=st.spent + ran.astype(jnp.float32) * costs_K[0], round=st.round + ran,
+                    branch_R=jnp.where((r_R >= 0) & (r_R < ran), 0, st.branch_R))
+    return _pin(s), st
 
 
 def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, force, limit):
