@@ -155,7 +155,7 @@ class SpeculativeDecoder:
         self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
         # Each call's final per-branch estimates start the next call with the same sampling settings and costs.
         self._priors = {}
-        self._measured, self._device_costs = {}, {}  # costs per (batch, capacity); costs placed on device
+        self._measured, self._device_costs = {}, {}  # costs per call shape; costs placed on device
         self._no_force, self._no_limit = (jnp.int32(-1), jnp.int32(2**30)) if self.adaptive else (None, None)
         self._no_prior = np.full((len(adaptive.budgets),), np.nan, np.float32) if self.adaptive else None
         if policy == "taps" or (policy == "adaptive" and scorer is not None):
@@ -236,11 +236,12 @@ class SpeculativeDecoder:
             from taps_jax.engine.calibrate import branch_costs
 
             costs = self.costs
-            if costs is None:  # the calibration's key only changes with the batch and the capacity
-                if (prompt.shape[0], capacity) not in self._measured:
+            if costs is None:  # within a decoder the calibration's key only changes with these
+                shape = (prompt.shape[0], capacity, sampling.greedy, sampling.top_k > 0, sampling.top_p < 1.0)
+                if shape not in self._measured:
                     with sharding.use_mesh(mesh):
-                        self._measured[prompt.shape[0], capacity] = branch_costs(args, kwargs, max_new_tokens)
-                costs = self._measured[prompt.shape[0], capacity]
+                        self._measured[shape] = branch_costs(args, kwargs, max_new_tokens)
+                costs = self._measured[shape]
             self.branch_costs = tuple(costs)  # the last call's, for reports
             if self.branch_costs not in self._device_costs:  # placed once: a host array is copied every call
                 self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)

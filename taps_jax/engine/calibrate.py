@@ -4,7 +4,7 @@ A branch's round is timed in the generate program itself (so nothing more
 compiles): forced to one branch every round and stopped after a few
 rounds, on the batch being decoded, least of interleaved repeats. The
 figures depend on the device, the models, the branch budgets, the batch,
-the cache capacity and the engine version, which together key the cache file
+the kind of sampling, the cache capacity and the engine version, which together key the cache file
 (`$TAPS_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/taps-jax`, else
 `~/.cache/taps-jax`; `adaptive_costs.json`). Delete that file to measure
 again (e.g. after a hardware change the key does not see).
@@ -38,7 +38,7 @@ def cache_dir() -> Path:
 
 
 def cost_key(args, kwargs) -> str:
-    """Device kind, models, branches, batch and capacity: what a round's cost depends on."""
+    """Device kind, models, branches, batch, sampling and capacity: what a round's cost depends on."""
     _, target_params, _, _, prompt, *_ = args
     config = kwargs["config"]
     leaves = jax.tree_util.tree_leaves(target_params)
@@ -56,6 +56,9 @@ def cost_key(args, kwargs) -> str:
         "tree": dataclasses.asdict(config.tree) | {"budget": None},
         "budgets": list(config.adaptive.budgets),
         "batch": int(prompt.shape[0]),
+        # Sampling costs more than an argmax (top-p sorts the vocabulary), at every tree node.
+        "sampling": [config.decode.sampling.greedy, config.decode.sampling.top_k > 0,
+                     config.decode.sampling.top_p < 1.0],
         "capacity": config.decode.capacity,
     }
     return json.dumps(facts, sort_keys=True)

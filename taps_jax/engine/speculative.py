@@ -317,12 +317,12 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
     """Consecutive AR rounds (branch 0), as many as the per-round choice would make in a row.
 
     While branch 0 is chosen, a round changes nothing the choice reads but the
-    cost spent, so the run goes on until a probe is due (spent >= wait), a
-    sequence stops (the sums over running sequences change), `limit` rounds,
-    or A rounds (the pending tap queue, emptied first, is full). The choice
-    and the statistics are paid once per run, not per step: every sequence
-    running at the start ran every round of the run (one that stopped did so
-    in the last).
+    cost spent and, when a sequence stops, the sums over running sequences;
+    so the run goes on until a probe is due (spent >= wait), every sequence
+    stops, `limit` rounds, or A rounds (the pending tap queue, emptied first,
+    is full; this also bounds how long a stopped sequence's share stays in
+    the choice). The choice and the statistics are paid once per run, not
+    per step: a sequence's AR rounds are the tokens it emitted in the run.
     """
     ac = config.adaptive
     s, st = carry
@@ -330,18 +330,15 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
     N = s.accepted_BR.shape[1]
     R = st.branch_R.shape[0]
     s = absorb_context(drafter, s)  # step i's tap features go to slot i of every row
-    running0_B = s.finish_B == RUNNING
+    generated0_B = s.generated_B
     due = jnp.ceil((st.wait - st.spent) / costs_K[0]).astype(jnp.int32)  # AR rounds until a probe
     steps = jnp.where(force == 0, A, jnp.where(force < 0, jnp.clip(due, 1, A), 1))
     steps = jnp.minimum(1 if ac.force_cycle else steps, limit - st.round)
 
-    def go_on(c):
-        s, i = c
-        return (i < steps) & jnp.all((s.finish_B == RUNNING) == running0_B)
-
-    s, ran = jax.lax.while_loop(go_on, lambda c: (ar_round(target, drafter, c[0], config, c[1]), c[1] + 1),
+    s, ran = jax.lax.while_loop(lambda c: (c[1] < steps) & running(c[0]),
+                                lambda c: (ar_round(target, drafter, c[0], config, c[1]), c[1] + 1),
                                 (s, jnp.int32(0)))
-    ran_B = jnp.where(running0_B, ran, 0)
+    ran_B = s.generated_B - generated0_B  # one token per round while running
     r_BN = jnp.arange(N)[None] - s.rounds_B[:, None]
     r_R = jnp.arange(R) - st.round
     s = s.replace(ctx_count_B=ran_B, rounds_B=s.rounds_B + ran_B,
