@@ -66,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "OUT.old1, ... (never deleted)")
     add_model_args(p)
     add_mesh_args(p)
-    p.add_argument("--policy", choices=POLICIES, default="ddtree",
-                   help="ar: plain autoregressive; chain: DFlash argmax path; ddtree: best-first tree (default); "
-                        "taps: learned target-aware tree (needs a scorer); adaptive: each round picks a budget up to "
-                        "--budget, down to a plain AR step, by expected tokens per unit cost (TAPS trees with a "
-                        "scorer, DDTree trees otherwise)")
+    p.add_argument("--policy", choices=POLICIES, default="adaptive",
+                   help="ar: plain autoregressive; chain: DFlash argmax path; ddtree: best-first tree; "
+                        "taps: learned target-aware tree (needs a scorer); adaptive (default): each round picks a "
+                        "budget up to --budget, down to a plain AR step, by expected tokens per unit cost (TAPS "
+                        "trees with a scorer, DDTree trees otherwise)")
     p.add_argument("--budget", type=positive_int, default=32,
                    help="non-root tree nodes verified per round (default 32); adaptive: the largest tree")
     p.add_argument("--adaptive-costs", type=_costs, default=None, metavar="C0,C1,...",

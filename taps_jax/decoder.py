@@ -95,9 +95,11 @@ class SpeculativeDecoder:
     "ddtree" (top-`budget` prefixes by draft log-prob) or "taps" (top-`budget`
     prefixes by the reach of a learned scorer's q_cond; pass `scorer`, a
     `ScorerModel` from `load_scorer`), verified in one target forward per round;
-    or "adaptive": each round picks one of a few budgets up to `budget`, down
-    to a plain AR step, to maximise expected tokens per unit cost (TAPS trees
-    when `scorer` is given, DDTree trees otherwise; `taps_jax.engine.adaptive`).
+    or "adaptive" (the default): each round picks one of a few budgets up to
+    `budget`, down to a plain AR step, to maximise expected tokens per unit
+    cost (TAPS trees when `scorer` is given, DDTree trees otherwise;
+    `taps_jax.engine.adaptive`): never much slower than the best of AR and
+    the fixed trees on the hardware it runs on.
 
     costs (adaptive): the cost of one round of each budget in
     `adaptive_budgets(budget)` order (any unit, e.g. ms). Default: measured
@@ -121,7 +123,7 @@ class SpeculativeDecoder:
     Prompt length, context and memory are checked before anything compiles.
     """
 
-    def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "ddtree", budget: int = 32,
+    def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "adaptive", budget: int = 32,
                  lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None,
                  mesh=None, prefill_chunk: int = PREFILL_CHUNK, costs=None, adaptive: AdaptiveConfig | None = None):
         if policy not in POLICIES:
