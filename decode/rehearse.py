@@ -129,12 +129,12 @@ def whole_cache_attention():
     per-round figures then include reading every cache slot (an upper bound at full context)."""
     from taps_jax.models import layers
 
-    saved = layers.KEY_BLOCK
-    layers.KEY_BLOCK = 1 << 30
+    saved = layers.KEY_BLOCK, layers.SMALL_CACHE_KEY_BLOCK
+    layers.KEY_BLOCK = layers.SMALL_CACHE_KEY_BLOCK = 1 << 30
     try:
         yield
     finally:
-        layers.KEY_BLOCK = saved
+        layers.KEY_BLOCK, layers.SMALL_CACHE_KEY_BLOCK = saved
 
 
 COST_NOTE = (

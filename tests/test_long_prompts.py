@@ -95,6 +95,7 @@ def test_chunked_prefill_matches_full_forward():
 def test_blockwise_attention_equals_dense(monkeypatch):
     """attend_cached over many small key blocks == dense attention over [committed; new], finite when empty."""
     monkeypatch.setattr(layers, "KEY_BLOCK", 8)  # read at trace time: 40 committed slots span 5-6 blocks
+    monkeypatch.setattr(layers, "SMALL_CACHE_KEY_BLOCK", 8)
     rng = np.random.default_rng(2)
     B, T, N, K, H, S, L = 3, 5, 4, 2, 16, 50, 2
     q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)

@@ -17,7 +17,7 @@ import numpy as np
 from taps_jax.config import DrafterConfig, ModelConfig
 from taps_jax.engine.batching import bucket
 from taps_jax.engine.prefill import PREFILL_CHUNK, cache_slots
-from taps_jax.models.layers import KEY_BLOCK
+from taps_jax.models.layers import key_block
 
 GiB = 1 << 30
 USABLE_FRACTION = 0.9  # leave room for the runtime, compiled code and fragmentation
@@ -102,7 +102,7 @@ def estimate_memory(target: ModelConfig, params_bytes: int, batch: int, prompt_b
     slots = cache_slots(capacity, prompt_buffer, chunk)
     C = min(chunk, prompt_buffer)
     caches = _cache_bytes(target.num_layers, batch, slots, target.num_kv_heads, target.head_dim, target.dtype)
-    scores = 3 * batch * target.num_heads * C * (min(KEY_BLOCK, slots) + C) * f32  # scores, probabilities, mask
+    scores = 3 * batch * target.num_heads * C * (key_block(slots) + C) * f32  # scores, probabilities, mask
     mlp = 3 * batch * C * target.intermediate_size * f32
     step = scores + mlp + 4 * batch * C * target.hidden_size * f32
     if drafter is not None:
