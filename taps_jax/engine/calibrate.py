@@ -26,7 +26,7 @@ from taps_jax.engine import speculative as spec
 
 CACHE_FILE = "adaptive_costs.json"
 # Part of the cache key: bump when a change to the engine changes what a round costs.
-ENGINE_VERSION = 2  # 2: AR rounds run back to back (`speculative.ar_run`), branches write caches in place
+ENGINE_VERSION = 3  # 2: AR runs, in-place branches; 3: key blocks of 128 in small caches
 _memory: dict[str, tuple[float, ...]] = {}
 
 
