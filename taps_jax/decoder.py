@@ -247,8 +247,8 @@ class SpeculativeDecoder:
             self.branch_costs = tuple(costs)  # the last call's, for reports
             if self.branch_costs not in self._device_costs:  # placed once: a host array is copied every call
                 self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)
-            # No forced branch, no round limit (a round emits at least one token): device constants, and
-            # the same types as the calibration's numpy values, so the same program.
+            # No forced branch, no round limit (a round emits at least one token): device constants, of the
+            # same kinds as the calibration passes (`calibrate.measure`), so one program serves both.
             kwargs.update(costs_K=self._device_costs[self.branch_costs], force=self._no_force,
                           max_rounds=self._no_limit, prior_K=self._priors.get(
                               (sampling, self.branch_costs), self._no_prior))

@@ -174,7 +174,9 @@ def test_costs_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     target, drafter = tiny_pair(VOCAB)
     dec = SpeculativeDecoder(target, drafter, "adaptive", 4)
     want = target.generate(PROMPTS[:2], 12).tokens
+    before = spec_generate._cache_size()
     assert dec.generate(PROMPTS[:2], 12).tokens == want
+    assert spec_generate._cache_size() - before == 1  # the calibration runs the program generate runs
     table = json.loads((tmp_path / "cache" / calibrate.CACHE_FILE).read_text())
     (entry,) = table.values()
     assert len(entry["ms"]) == 4 and all(ms > 0.001 for ms in entry["ms"])  # budgets 0, 1, 2, 4; none clamped

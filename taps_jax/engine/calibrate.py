@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from taps_jax.engine import speculative as spec
@@ -78,8 +79,9 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float,
     budgets = kwargs["config"].adaptive.budgets
 
     def run(k, rounds):
-        kw = dict(kwargs, costs_K=np.ones(len(budgets), np.float32), force=np.int32(k), max_rounds=np.int32(rounds),
-                  prior_K=np.full((len(budgets),), np.nan, np.float32))
+        # Device arrays and a host prior, as `SpeculativeDecoder.prepare` passes them: the same jit entry.
+        kw = dict(kwargs, costs_K=jnp.ones(len(budgets), jnp.float32), force=jnp.int32(k),
+                  max_rounds=jnp.int32(rounds), prior_K=np.full((len(budgets),), np.nan, np.float32))
         start = time.perf_counter()
         out = jax.block_until_ready(spec.spec_generate(*args, **kw))
         return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
