@@ -53,15 +53,20 @@ def mesh_of(shape):
     return sharding.make_mesh(*shape)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shard_models")
+def save_model_set(root, target_config, drafter_config):
+    """A random target (with a tokenizer), drafter and scorer saved under root as a model set."""
     tok_file = train_tokenizer(root / "tok", vocab_size=VOCAB, max_bytes=40_000, show_progress=False)
-    target = Target(Transformer(TARGET_CFG, nnx.Rngs(0)), Tokenizer.from_file(tok_file), (0,))
+    target = Target(Transformer(target_config, nnx.Rngs(0)), Tokenizer.from_file(tok_file), (0,))
     target.save(root / "target")
-    drafter = DrafterModel(Drafter(DRAFTER_CFG, nnx.Rngs(1)))
+    drafter = DrafterModel(Drafter(drafter_config, nnx.Rngs(1)))
     drafter.save(root / "drafter")
     random_scorer(target, drafter).save(root / "scorer")
+    return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = save_model_set(tmp_path_factory.mktemp("shard_models"), TARGET_CFG, DRAFTER_CFG)
     (root / "prompts.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
                                                 for i, p in enumerate(PROMPTS)))
     return root
@@ -284,14 +289,7 @@ def test_kv_replicas_and_repeated_weights():
 
 @pytest.fixture(scope="module")
 def gqa_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gqa_models")
-    tok_file = train_tokenizer(root / "tok", vocab_size=VOCAB, max_bytes=40_000, show_progress=False)
-    target = Target(Transformer(GQA_TARGET, nnx.Rngs(0)), Tokenizer.from_file(tok_file), (0,))
-    target.save(root / "target")
-    drafter = DrafterModel(Drafter(GQA_DRAFTER, nnx.Rngs(1)))
-    drafter.save(root / "drafter")
-    random_scorer(target, drafter).save(root / "scorer")
-    return root
+    return save_model_set(tmp_path_factory.mktemp("gqa_models"), GQA_TARGET, GQA_DRAFTER)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
