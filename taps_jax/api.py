@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import jax
@@ -10,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from taps_jax import sharding
+from taps_jax import chat, sharding
 from taps_jax.calls import GenerateCall, GenerateResult, Programs, STREAM_CHUNK
 from taps_jax.checkpoints.hf import (
     _prefix, check_dir, config_from_hf, ignored_tensors, load_transformer, read_json, save_transformer,
 )
-from taps_jax.checkpoints.tokenizer import Tokenizer, stop_ids
+from taps_jax.checkpoints import gguf
+from taps_jax.checkpoints.tensors import load_weights
+from taps_jax.checkpoints.tokenizer import Tokenizer, load_dir_tokenizer, load_gguf_tokenizer, stop_ids
 from taps_jax.config import ModelConfig
 from taps_jax.engine.ar import DecodeConfig, ar_advance, ar_generate, ar_outputs, ar_start
 from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, pad_batch
@@ -80,6 +83,22 @@ class Target:
     def encode(self, prompts) -> list[list[int]]:
         return encode_prompts(prompts, self.tokenizer, self.config.vocab_size)
 
+    def chat_prompts(self, conversations) -> list[str]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them -> prompt texts,
+        rendered by the model's chat template with the assistant's turn opened."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat; pass token ids to generate")
+        if chat.is_conversation(conversations):
+            conversations = [conversations]
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError(f"pass a conversation or a list of them; {chat.ROLES_HINT}")
+        return [self.tokenizer.render_chat(c) for c in conversations]
+
+    def chat(self, conversations, max_new_tokens: int = 64, **options) -> GenerateResult:
+        """`generate` on chat-templated conversations: each result is the assistant's answer
+        (generation stops at the template's end-of-turn token as well as at EOS)."""
+        return self.generate(self.chat_prompts(conversations), max_new_tokens, **options)
+
     def decode(self, ids) -> str:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; read the token ids instead")
@@ -141,22 +160,33 @@ class Target:
         return GenerateResult(tokens, reasons, texts, stats or {})
 
     def save(self, path) -> None:
-        """Write the HF layout (config.json, model.safetensors, tokenizer.json)."""
+        """Write the HF layout (config.json, model.safetensors, generation_config.json; tokenizer.json and
+        tokenizer_config.json with the chat template when the model has a tokenizer)."""
         path = Path(path)
-        extra = {"eos_token_id": list(self.eos_ids)[0] if len(self.eos_ids) == 1 else list(self.eos_ids)} if self.eos_ids else None
+        eos = list(self.eos_ids)[0] if len(self.eos_ids) == 1 else list(self.eos_ids)
+        extra = {"eos_token_id": eos} if self.eos_ids else None
         save_transformer(nnx.merge(self.graphdef, self.params), path, extra)
+        if self.eos_ids:
+            (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
         if self.tokenizer is not None:
             self.tokenizer.save(path / "tokenizer.json")
+            self.tokenizer.save_config(path)
 
 
 def load_target(path, dtype: str = "float32", mesh=None) -> Target:
-    """Load a Hugging Face target checkpoint directory (Qwen3, Llama 3, Qwen2).
+    """Load a target: a Hugging Face checkpoint directory or a GGUF file (Qwen3, Llama 3, Qwen2).
+
+    A GGUF file (llama.cpp's format; any type the `gguf` package dequantizes:
+    F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants) is dequantized to `dtype`,
+    with its tokenizer and chat template.
 
     mesh: load straight onto a device mesh (`taps_jax.sharding.make_mesh`):
     every parameter is assembled from the slices its devices hold, read
     lazily from the safetensors files, so on a multi-host slice each host
     reads only its own shards. None (default): one device.
     """
+    if gguf.is_gguf(path):
+        return _load_gguf_target(Path(path), dtype, mesh)
     path = check_dir(path)
     if mesh is None:
         model, raw = load_transformer(path, dtype)
@@ -166,6 +196,20 @@ def load_target(path, dtype: str = "float32", mesh=None) -> Target:
         sharding.check_config(config, mesh, "target", replicate_kv=True)
         abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
         model = sharding.load_module(abstract, path, _prefix, str(path), mesh, ignored_tensors(config))
-    eos = stop_ids(path, raw)
-    tokenizer = Tokenizer.from_file(path / "tokenizer.json", eos) if (path / "tokenizer.json").is_file() else None
+    tokenizer, eos = load_dir_tokenizer(path, stop_ids(path, raw))
+    return Target(model, tokenizer, eos, mesh)
+
+
+def _load_gguf_target(path: Path, dtype: str, mesh) -> Target:
+    """Every check (header, architecture, tensor types, names and shapes, tokenizer) before any weight is read."""
+    f = gguf.GGUFFile(path)
+    config = gguf.config_from_gguf(f, dtype)
+    f.check_types()
+    tokenizer, eos = load_gguf_tokenizer(f)
+    abstract = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+    if mesh is None:
+        model = load_weights(abstract, f, _prefix, str(path), ignored_tensors(config))
+    else:
+        sharding.check_config(config, mesh, "target", replicate_kv=True)
+        model = sharding.load_module(abstract, f, _prefix, str(path), mesh, ignored_tensors(config))
     return Target(model, tokenizer, eos, mesh)

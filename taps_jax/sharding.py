@@ -466,7 +466,7 @@ def load_module(abstract, path, prefix_of: Callable[[tuple], str], source: str, 
     from taps_jax.checkpoints.tensors import load_weights
 
     replicate_kv = kv_replicas(abstract.config, mesh) > 1  # k/v read whole, then repeated
-    module = load_weights(abstract, Path(path), prefix_of, source, ignore,
+    module = load_weights(abstract, Path(path) if isinstance(path, str) else path, prefix_of, source, ignore,
                           sharding_of=lambda name, shape: NamedSharding(mesh, load_spec(name, shape, mesh,
                                                                                         replicate_kv)))
     return replicate_kv_heads(module, mesh)

@@ -211,9 +211,18 @@ def load_module(
 
 @contextlib.contextmanager
 def open_tensors(path: Path):
-    """{HF name: lazy safetensors handle} over every weight file of a checkpoint dir, read on the host."""
+    """{HF name: lazy safetensors handle} over every weight file of a checkpoint dir, read on the host.
+
+    A GGUF file (taps_jax.checkpoints.gguf) gives handles of the same shape
+    that dequantize on read, under the HF names.
+    """
+    from taps_jax.checkpoints import gguf
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(_host())
+        if isinstance(path, gguf.GGUFFile) or gguf.is_gguf(path):
+            yield gguf.Handles(path if isinstance(path, gguf.GGUFFile) else gguf.GGUFFile(path)).mapping()
+            return
         where = {}
         for file in safetensor_files(Path(path)):
             try:

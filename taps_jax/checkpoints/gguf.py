@@ -1,0 +1,382 @@
+"""GGUF model files (llama.cpp's format): metadata -> ModelConfig, tensors -> HF names, dequantized.
+
+Parsing and dequantization are ggml's own `gguf` package; this module adds
+what a reader of llama.cpp's converter output must undo (DESIGN.md 13):
+llama's q/k rows permuted for llama.cpp's rope layout, GGUF dims listed
+fastest first, a tied model without `output.weight`, Llama-3 rope scaling as
+a `rope_freqs` tensor of per-frequency factors.
+
+Every check that can fail runs on the header before any tensor is read: the
+header is walked once by `_scan_header` with every count and length bounded by
+the file's size (a corrupted count must not make the reader loop or allocate
+gigabytes), then handed to `gguf.GGUFReader`, which maps the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from taps_jax.config import ModelConfig, RopeScaling
+
+MAGIC = b"GGUF"
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture -> our family of the same name
+FIX = "re-download or re-convert it"
+
+# GGUF value types (gguf.GGUFValueType) -> struct format of a scalar.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a parameter
+
+
+def is_gguf(path) -> bool:
+    """True for a path that names a GGUF file (by suffix, or by its magic when it is a file)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str  # GGUF name
+    shape: tuple[int, ...]  # numpy order (slowest first): GGUF dims reversed
+    type: int  # gguf.GGMLQuantizationType value
+    offset: int  # absolute byte offset of the data
+    nbytes: int
+
+
+class _Header:
+    """A bounds-checked walk over the GGUF header (metadata + tensor infos), nothing else read."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.data = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
+        self.pos = 0
+
+    def fail(self, why: str):
+        raise ValueError(f"{self.file}: not a readable GGUF file: {why}; {FIX}")
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            self.fail(f"truncated at byte {self.pos} (needs {n} more, the file has {len(self.data)})")
+        out = bytes(self.data[self.pos:self.pos + n])
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str):
+        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        raw = self.take(self.scalar("Q"))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"a string at byte {self.pos - len(raw)} is not UTF-8")
+
+    def skip_value(self, kind: int, depth: int = 0) -> None:
+        if kind in _SCALARS:
+            self.take(struct.calcsize(_SCALARS[kind]))
+        elif kind == _STRING:
+            self.take(self.scalar("Q"))
+        elif kind == _ARRAY and depth == 0:
+            item, count = self.scalar("I"), self.scalar("Q")
+            if item in _SCALARS:
+                self.take(count * struct.calcsize(_SCALARS[item]))
+            elif item == _STRING:
+                if count * 8 > len(self.data) - self.pos:
+                    self.fail(f"an array claims {count} strings, more than the file can hold")
+                for _ in range(count):
+                    self.take(self.scalar("Q"))
+            else:
+                self.fail(f"unsupported array item type {item}")
+        else:
+            self.fail(f"unsupported metadata value type {kind}")
+
+
+def scan_header(file: Path) -> tuple[list[str], list[TensorInfo]]:
+    """The metadata keys and tensor infos of a GGUF file; ValueError naming the file for anything malformed.
+
+    Checks the magic, the version, every length against the file's size, the
+    tensor types and that every tensor's data lies inside the file.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if not file.is_file():
+        raise ValueError(f"GGUF file {str(file)!r} does not exist; check the path")
+    h = _Header(file)
+    magic = h.take(4) if len(h.data) >= 4 else h.fail(f"{len(h.data)} bytes, too short for a GGUF header")
+    if magic != MAGIC:
+        h.fail(f"wrong magic {magic!r} (a GGUF file starts with b'GGUF')")
+    version = h.scalar("I")
+    if version not in (2, 3):
+        h.fail(f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = h.scalar("Q"), h.scalar("Q")
+    if n_tensors > len(h.data) or n_kv > len(h.data):
+        h.fail(f"the header claims {n_tensors} tensors and {n_kv} metadata keys, more than the file can hold")
+    keys, alignment = [], 32
+    for _ in range(n_kv):
+        key, kind = h.string(), h.scalar("I")
+        if key == "general.alignment" and kind == 4:
+            alignment = h.scalar("I")
+            if alignment == 0 or alignment & (alignment - 1):
+                h.fail(f"general.alignment {alignment} is not a power of two")
+        else:
+            h.skip_value(kind)
+        keys.append(key)
+    raw = []
+    for _ in range(n_tensors):
+        name, n_dims = h.string(), h.scalar("I")
+        if not 1 <= n_dims <= 4:
+            h.fail(f"tensor {name!r} has {n_dims} dimensions (1 to 4 expected)")
+        dims = [h.scalar("Q") for _ in range(n_dims)]
+        raw.append((name, dims, h.scalar("I"), h.scalar("Q")))
+    start = -(-h.pos // alignment) * alignment  # the data block starts at the next aligned offset
+    size = len(h.data)
+    infos = []
+    for name, dims, kind, offset in raw:
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            h.fail(f"tensor {name!r} has unknown type {kind}")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        count = math.prod(dims)
+        if dims[0] % block:
+            h.fail(f"tensor {name!r}: rows of {dims[0]} do not fill whole {qtype.name} blocks of {block}")
+        nbytes = count // block * type_size
+        if start + offset + nbytes > size:
+            h.fail(f"tensor {name!r} ({qtype.name}, {nbytes} bytes at offset {start + offset}) runs past the end "
+                   f"of the file ({size} bytes): the file is truncated")
+        infos.append(TensorInfo(name, tuple(reversed(dims)), kind, start + offset, nbytes))
+    return keys, infos
+
+
+class GGUFFile:
+    """An opened, checked GGUF file: metadata values, tensor infos, and dequantizing reads under HF names."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        _, infos = scan_header(self.path)
+        from gguf import GGUFReader
+
+        try:
+            self._reader = GGUFReader(self.path)
+        except Exception as e:  # the header passed our walk, so this is a format detail gguf refuses
+            raise ValueError(f"{self.path}: not a readable GGUF file ({e}); {FIX}") from None
+        self._fields = self._reader.fields
+        self.tensors = {t.name: t for t in self._reader.tensors}
+        self.infos = {t.name: t for t in infos}
+        self.arch = self.get("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{self.path}: architecture {self.arch!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+
+    def get(self, key: str, default=None):
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        return value.tolist() if isinstance(value, np.ndarray) else value
+
+    def arch_key(self, key: str, kind, default=None):
+        """`{arch}.{key}` as `kind`; missing without a default is an error naming the key."""
+        value = self.get(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{self.path}: metadata key {self.arch}.{key!r} is missing; {FIX}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"{self.path}: metadata key {self.arch}.{key} must be a number, got {value!r}")
+        if kind is float:  # stored as float32: 1e-5 reads back as 9.99999974e-06; keep the value that was meant
+            return float(str(np.float32(value)))
+        return kind(value)
+
+    # --- tensors under HF names --------------------------------------------
+
+    def hf_names(self) -> dict[str, str]:
+        """{HF name: GGUF name} for every parameter tensor (rope_freqs is config, not a parameter)."""
+        out = {}
+        for name in self.infos:
+            if name == ROPE_FREQS:
+                continue
+            stem, _, leaf = name.rpartition(".")
+            parts = stem.split(".")
+            if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+                out[f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{leaf}"] = name
+            elif stem in _TOP_NAMES:
+                out[f"{_TOP_NAMES[stem]}.{leaf}"] = name
+            else:
+                raise ValueError(f"{self.path}: tensor {name!r} is not part of a {self.arch} model this loader "
+                                 f"knows; is it a {self.arch} model converted by llama.cpp?")
+        return out
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor by GGUF name, dequantized to float32 in numpy (HF) order; llama q/k un-permuted."""
+        from gguf import GGMLQuantizationType, quants
+
+        info, tensor = self.infos[name], self.tensors[name]
+        qtype = GGMLQuantizationType(info.type)
+        try:
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                value = np.asarray(tensor.data, np.float32)
+            else:
+                value = quants.dequantize(np.asarray(tensor.data), qtype)
+        except NotImplementedError:
+            raise ValueError(f"{self.path}: tensor {name!r} has type {qtype.name}, which the gguf package cannot "
+                             f"dequantize; re-quantize the model to a supported type (e.g. Q8_0, Q4_K)") from None
+        value = value.reshape(info.shape)
+        if self.arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias",
+                                                   ".attn_k.bias")):
+            heads = self.arch_key("attention.head_count", int)
+            if ".attn_k." in name:
+                heads = self.arch_key("attention.head_count_kv", int, heads)
+            value = unpermute(value, heads)
+        return value
+
+    def check_types(self) -> None:
+        """ValueError naming the first tensor whose type cannot be dequantized (before anything is read)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+        for qtype in sorted({GGMLQuantizationType(i.type) for i in self.infos.values()}):
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                continue
+            try:  # one zero block: the package says whether it can dequantize this type
+                quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+            except NotImplementedError:
+                name = next(i.name for i in self.infos.values() if i.type == qtype)
+                raise ValueError(f"{self.path}: tensor {name!r} has type {qtype.name}, which the gguf package "
+                                 f"cannot dequantize; re-quantize the model to a supported type (e.g. Q8_0, Q4_K)") from None
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its rope pairs adjacent dims; HF rotates halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row permutation (the inverse of `unpermute`)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- metadata -> ModelConfig ---------------------------------------------
+
+
+def config_from_gguf(f: GGUFFile, dtype: str = "float32") -> ModelConfig:
+    hidden = f.arch_key("embedding_length", int)
+    heads = f.arch_key("attention.head_count", int)
+    head_dim = f.arch_key("attention.key_length", int, hidden // heads if heads else 0)
+    if f.arch_key("attention.value_length", int, head_dim) != head_dim:
+        raise ValueError(f"{f.path}: key and value head sizes differ; not supported")
+    rotary = f.arch_key("rope.dimension_count", int, head_dim)
+    if rotary != head_dim:
+        raise ValueError(f"{f.path}: rope over {rotary} of {head_dim} head dims (partial rotary) is not supported")
+    kind = f.get(f"{f.arch}.rope.scaling.type", "none")
+    if kind not in ("none", "llama3"):
+        raise ValueError(f"{f.path}: rope scaling {kind!r} is not supported (supported: none, Llama-3 rope_freqs)")
+    vocab = f.infos["token_embd.weight"].shape[0] if "token_embd.weight" in f.infos else None
+    if vocab is None:
+        raise ValueError(f"{f.path}: no token_embd.weight tensor; {FIX}")
+    theta = f.arch_key("rope.freq_base", float, 10000.0)
+    try:
+        return ModelConfig(
+            vocab_size=f.arch_key("vocab_size", int, vocab),
+            hidden_size=hidden,
+            intermediate_size=f.arch_key("feed_forward_length", int),
+            num_layers=f.arch_key("block_count", int),
+            num_heads=heads,
+            num_kv_heads=f.arch_key("attention.head_count_kv", int, heads),
+            head_dim=head_dim,
+            family=f.arch,
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(f, head_dim, theta),
+            rms_norm_eps=f.arch_key("attention.layer_norm_rms_epsilon", float, 1e-6),
+            tie_embeddings="output.weight" not in f.infos,
+            max_position_embeddings=f.arch_key("context_length", int, 32768),
+            dtype=dtype,
+        )
+    except ValueError as e:
+        raise ValueError(f"{f.path}: {e}") from None
+
+
+def _rope_scaling(f: GGUFFile, head_dim: int, theta: float) -> RopeScaling | None:
+    """Llama-3 rope scaling recovered from llama.cpp's per-frequency `rope_freqs` factors (exactly, or refused).
+
+    llama.cpp divides each inverse frequency by its factor: 1 for short
+    wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) between,
+    with s linear in 1 / wavelength. The factors fix `factor` and, given the
+    original context (a key, else 8192 as in Llama 3.1), low and high.
+    """
+    if ROPE_FREQS not in f.infos:
+        return None
+    factors = f.read(ROPE_FREQS).astype(np.float64).reshape(-1)
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(f"{f.path}: {ROPE_FREQS} has {factors.size} factors, expected {head_dim // 2}")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    original = f.arch_key("rope.scaling.original_context_length", int, 8192)
+    inv_freq = theta ** -(np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    between = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    candidates = [(1.0, 4.0)]  # Llama 3.1's own; used when too few factors fall between to solve for them
+    if between.sum() >= 2:
+        # s = (original / wavelen - low) / (high - low): a line in original / wavelen
+        s = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(original / wavelen[between], s, 1)
+        low = -intercept / slope
+        candidates.insert(0, (float(low), float(low + 1 / slope)))
+    from taps_jax.models.layers import rope_inv_freq
+
+    for low, high in candidates:
+        scaling = RopeScaling(factor, low, high, original)
+        got = inv_freq / rope_inv_freq(head_dim, theta, scaling)
+        if np.allclose(got, factors, rtol=1e-4):
+            return scaling
+    raise ValueError(f"{f.path}: {ROPE_FREQS} does not follow Llama-3 rope scaling; not supported")
+
+
+# --- the tensor source of `taps_jax.checkpoints.tensors.load_weights` -------
+
+
+class _Slice:
+    def __init__(self, file: GGUFFile, name: str):
+        self.file, self.name = file, name
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.file.infos[self.name].shape
+
+    def __getitem__(self, index):
+        return self.file.read(self.name)[index]  # dequantized whole: blocks span rows
+
+
+class Handles:
+    """{HF name: handle} over a GGUF file, shaped like safetensors' `safe_open` handles (get_slice / get_tensor)."""
+
+    def __init__(self, file: GGUFFile):
+        self.file = file
+        self.names = file.hf_names()
+
+    def mapping(self) -> dict[str, "Handles"]:
+        return {name: self for name in self.names}
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self.file, self.names[name])
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        return self.file.read(self.names[name])
