@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_mesh_args(p)
     p.add_argument("--prompts", type=Path, default=None,
-                   help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]}) per line (default: the embedded held-out set)")
+                   help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]} or {\"messages\": [...]}) per line "
+                        "(default: the embedded held-out set)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each text prompt as one user turn of the target's chat template "
+                        "(\"messages\" lines always are)")
     p.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--policies", type=choice_list(POLICIES), default=["ar", "chain", "ddtree"],
                    help="comma-separated, from " + ",".join(POLICIES) + " (default ar,chain,ddtree)")
@@ -133,14 +137,14 @@ def main(argv=None) -> int:
     for path in (args.json, args.plot):
         check_output_path(path)  # before the benchmark, not after it
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
-    prompts = [r.prompt for r in read_prompt_file(prompts_file)][: args.num_prompts]
+    prompts = [r.prompt for r in read_prompt_file(prompts_file, chat=args.chat)][: args.num_prompts]
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     mesh = setup_mesh(args)
     models = load_models(args, mesh)  # every decoder below runs on the target's mesh
     spec_policies = [p for p in args.policies if p != "ar"]
     if spec_policies and models.drafter is None:
-        raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/")
+        raise ValueError(models.missing_drafter())
     if "taps" in spec_policies and models.scorer_for(args.temperature) is None:
         raise ValueError("policy taps needs a scorer: pass --scorer DIR (train one with python -m train.scorer) or drop taps")
     # Check every configuration before any long work starts.

@@ -1,6 +1,7 @@
 """`taps-decode`: generate a continuation with AR or speculative decoding.
 
     taps-decode --prompt TEXT [--policy P] [--mesh D,M] ...
+    taps-decode --chat [--prompt TEXT] ...   (one user turn; without --prompt an interactive session)
     taps-decode --prompts IN.jsonl --out OUT.jsonl [--batch-size B] [--shard I/N] [--force-new] ...   (a job)
 
 The job mode (decode/jobs.py) writes one JSON line per prompt as its batch
@@ -49,10 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="taps-decode",
         description="Generate text with lossless speculative decoding (block-diffusion drafter + tree verification).",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (one of --prompt, --prompts, --chat is needed)")
     src.add_argument("--prompts", type=Path, metavar="IN.jsonl",
-                     help='decoding job: one {"prompt": "...", "id": ...} per line (needs --out)')
+                     help='decoding job: one {"prompt": "..."} (or {"ids": [...]} or {"messages": [...]}) per line, '
+                          'each with an optional unique "id" (default: the line\'s index); needs --out')
+    p.add_argument("--chat", action="store_true",
+                   help="talk to an instruct model through its chat template: --prompt TEXT is one user turn and "
+                        "prints the answer; a job's text prompts become user turns; without --prompt/--prompts an "
+                        "interactive session that streams each answer (Ctrl-D ends it). Answers stop at the "
+                        "template's end-of-turn token")
     p.add_argument("--out", type=Path, metavar="OUT.jsonl",
                    help="job output: one JSON line per prompt (id, text, num_tokens, finish_reason, tau); "
                         "rerunning skips prompts already written")
@@ -94,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Flag combinations and text, before anything is loaded."""
-    if args.prompts is None and not args.prompt:
+    if args.prompts is None and args.prompt is None and not args.chat:
+        raise ValueError("give --prompt TEXT, --prompts IN.jsonl --out OUT.jsonl (a job), or --chat (a session)")
+    if args.prompts is None and args.prompt is not None and not args.prompt:
         raise ValueError("--prompt is empty; give some text to continue")
     if args.prompt is not None:
         check_text(args.prompt, "--prompt", from_argv=True,
@@ -129,7 +138,7 @@ def build_decoder(args, mesh) -> SpeculativeDecoder:
         raise ValueError("--policy taps needs a scorer: pass --scorer DIR or a --model dir with scorer/ "
                          "(train one with python -m train.scorer), or use --policy ddtree")
     if args.policy != "ar" and models.drafter is None:
-        raise ValueError("speculative policies need a drafter: pass --drafter DIR or a --model dir with drafter/, or use --policy ar")
+        raise ValueError(models.missing_drafter())
     extra = {"scorer": scorer} if args.policy in ("taps", "adaptive") else {}
     if args.adaptive_costs is not None:
         extra["costs"] = args.adaptive_costs
@@ -143,7 +152,7 @@ def open_cli_job(args, dirs: dict):
 
     models = {name: jobs.part_digest(d) if d is not None else None for name, d in dirs.items()}
     settings = jobs.JobSettings.create(models, args.policy, args.budget, args.dtype, args.max_new_tokens,
-                                       args.temperature, args.top_k, args.top_p, args.seed)
+                                       args.temperature, args.top_k, args.top_p, args.seed, chat=args.chat)
     return jobs.open_job(args.prompts, args.out, settings, shard=args.shard, force_new=args.force_new)
 
 
@@ -167,12 +176,25 @@ def main(argv=None) -> int:
                 return 130
         return 0
     decoder = build_decoder(args, mesh)
-    call = decoder.prepare([args.prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    if args.chat and (decoder.target.tokenizer is None or decoder.target.tokenizer.chat_template is None):
+        raise ValueError("--chat needs a target with a chat template (tokenizer_config.json chat_template or a "
+                         "GGUF's tokenizer.chat_template); this one has none: drop --chat")
+    if args.chat and args.prompt is None:
+        return chat_session(decoder, args)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    result = decode_one(decoder, args, prompt, "" if args.chat else args.prompt)
+    show_stats(args, result)
+    return 0
+
+
+def decode_one(decoder, args, prompt, echo: str):
+    """Decode one prompt (text or conversation), printing `echo` + the text (streamed with --stream)."""
+    call = decoder.prepare([prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed)
     call.compile(stream=args.stream)  # ahead of time: the prompt is decoded once, compile timed apart
     show = sharding.is_main_process()
     if args.stream:
-        printed = TextDeltas(args.prompt) if show else None  # every process decodes, one prints
+        printed = TextDeltas(echo) if show else None  # every process decodes, one prints
         for result in call.stream():
             if printed:
                 printed.show(result.texts[0])
@@ -181,7 +203,38 @@ def main(argv=None) -> int:
     else:
         result = call.run()
         if show:
-            print(args.prompt + result.texts[0])
+            print(echo + result.texts[0])
+    return result
+
+
+def chat_session(decoder, args) -> int:
+    """A multi-turn conversation on stdin/stdout: each line is a user turn, each answer is streamed."""
+    args.stream = True
+    messages = []
+    interactive = sys.stdin.isatty()
+    show = sharding.is_main_process()
+    if show and interactive:
+        print("chat: type a message and press Enter; Ctrl-D ends the session", file=sys.stderr)
+    while True:
+        if show and interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:  # EOF (Ctrl-D)
+            if show and interactive:
+                print(file=sys.stderr)
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        check_text(text, "the message", from_argv=True, hint="type UTF-8 text")
+        messages.append({"role": "user", "content": text})
+        result = decode_one(decoder, args, list(messages), "")
+        messages.append({"role": "assistant", "content": result.texts[0]})
+        show_stats(args, result)
+
+
+def show_stats(args, result) -> None:
+    show = sharding.is_main_process()
     if show and args.stats:
         n = len(result.tokens[0])
         rounds = result.stats.get("rounds", [n])[0]
@@ -190,7 +243,6 @@ def main(argv=None) -> int:
         print(f"[{args.policy}] tokens={n} rounds={rounds} tau={tau:.2f} tokens/s={n / decode_s:.1f} "
               f"compile_s={result.stats['compile_s']:.2f} decode_s={decode_s:.2f} "
               f"finish={result.finish_reasons[0]}", file=sys.stderr)
-    return 0
 
 
 class TextDeltas:

@@ -12,6 +12,7 @@ from pathlib import Path
 from taps_jax import load_scorer, load_target
 from taps_jax.sharding import add_mesh_args, positive_int, setup_mesh  # noqa: F401  (re-exported for the CLIs)
 from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
+from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,8 +39,10 @@ def choice_list(choices, what: str = "policy"):
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models")
     g.add_argument("--model", type=Path, default=None,
-                   help=f"model directory with target/, drafter/ (and scorer/); default: the embedded set ({DEFAULT_MODEL_DIR})")
-    g.add_argument("--target", type=Path, help="target checkpoint dir (Hugging Face layout); overrides --model's")
+                   help=f"model set: a directory with target/, drafter/ (and scorer/), or a shipped set by name "
+                        f"({', '.join(NAMED_SETS)}); default: the embedded set ({DEFAULT_MODEL_DIR})")
+    g.add_argument("--target", type=Path,
+                   help="target checkpoint: a Hugging Face dir or a GGUF file (llama.cpp); overrides --model's")
     g.add_argument("--drafter", type=Path, help="DFlash drafter checkpoint dir; overrides --model's")
     g.add_argument("--scorer", type=Path,
                    help="TAPS scorer dir (for --policy taps) used at every temperature; overrides --model's scorer/ "
@@ -49,33 +52,46 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="parameter/activation dtype (default float32)")
 
 
+def _model_base(args) -> Path | None:
+    """The model set the parts come from: --model (a dir or a shipped name), else the embedded set unless --target."""
+    base = resolve_set(args.model) if args.model is not None else (DEFAULT_MODEL_DIR if args.target is None else None)
+    if base == DEFAULT_MODEL_DIR and not base.is_dir():
+        raise ValueError(f"the embedded default model set is not installed ({base} is missing); "
+                         "pass --model DIR or --target DIR --drafter DIR, or build it with python -m train.recipe")
+    if base is not None and not Path(base).is_dir():
+        raise ValueError(f"model directory {str(base)!r} does not exist; pass --model DIR (or one of "
+                         f"{', '.join(NAMED_SETS)}) or --target DIR --drafter DIR")
+    return base
+
+
+def _part(args, base, flag, name):
+    if flag is not None:
+        return flag
+    if base is None:
+        return None
+    if name == "target":
+        target = target_of(base)
+        if target is None:
+            raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
+        return target
+    return base / name if (base / name).is_dir() else None
+
+
 def load_models(args, mesh=None) -> ModelSet:
     """Each part from its own flag, else from --model (the embedded set when neither --model nor --target).
 
     mesh: target and drafter are loaded sharded onto it (each host reads only its shards).
     """
-    base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
-    if base == DEFAULT_MODEL_DIR and not base.is_dir():
-        raise ValueError(f"the embedded default model set is not installed ({base} is missing); "
-                         "pass --model DIR or --target DIR --drafter DIR, or build it with python -m train.recipe")
-    if base is not None and not Path(base).is_dir():
-        raise ValueError(f"model directory {str(base)!r} does not exist")
-
-    def part(flag, name):
-        if flag is not None:
-            return flag
-        return base / name if base is not None and (base / name).is_dir() else None
-
-    target_dir = part(args.target, "target")
-    if target_dir is None:
-        raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
-    drafter_dir, scorer_dir = part(args.drafter, "drafter"), part(args.scorer, "scorer")
-    greedy_dir = part(None, "scorer_greedy")
+    base = _model_base(args)
+    target_dir = _part(args, base, args.target, "target")
+    drafter_dir, scorer_dir = _part(args, base, args.drafter, "drafter"), _part(args, base, args.scorer, "scorer")
+    greedy_dir = _part(args, base, None, "scorer_greedy")
     return ModelSet(
         load_target(target_dir, args.dtype, mesh),
         load_drafter(drafter_dir, args.dtype, mesh) if drafter_dir else None,
         load_scorer(scorer_dir) if scorer_dir else None,
         load_scorer(greedy_dir) if greedy_dir and args.scorer is None else None,
+        set_name(base) if base is not None and args.drafter is None else None,
     )
 
 
@@ -138,23 +154,10 @@ def model_part_dirs(args) -> dict[str, Path | None]:
     before paying for them. "scorer" is the one --policy taps would use at
     --temperature; None where a part is absent.
     """
-    base = args.model or (DEFAULT_MODEL_DIR if args.target is None else None)
-    if base == DEFAULT_MODEL_DIR and not base.is_dir():
-        raise ValueError(f"the embedded default model set is not installed ({base} is missing); "
-                         "pass --model DIR or --target DIR --drafter DIR, or build it with python -m train.recipe")
-    if base is not None and not Path(base).is_dir():
-        raise ValueError(f"model directory {str(base)!r} does not exist; pass --model DIR or --target DIR "
-                         "--drafter DIR")
-
-    def part(flag, name):
-        if flag is not None:
-            return flag
-        return base / name if base is not None and (base / name).is_dir() else None
-
-    if part(args.target, "target") is None:
-        raise ValueError(f"{base}: no target/ subdirectory; pass --target DIR or a --model dir with target/")
+    base = _model_base(args)
     scorer = args.scorer
     if scorer is None:
-        greedy = part(None, "scorer_greedy")
-        scorer = greedy if args.temperature == 0 and greedy is not None else part(None, "scorer")
-    return {"target": part(args.target, "target"), "drafter": part(args.drafter, "drafter"), "scorer": scorer}
+        greedy = _part(args, base, None, "scorer_greedy")
+        scorer = greedy if args.temperature == 0 and greedy is not None else _part(args, base, None, "scorer")
+    return {"target": _part(args, base, args.target, "target"), "drafter": _part(args, base, args.drafter, "drafter"),
+            "scorer": scorer}

@@ -121,10 +121,13 @@ class JobSettings:
     top_k: int | None
     top_p: float | None
     seed: int | None
+    chat: bool | None = None  # True: "prompt" lines are chat-templated as one user turn (None, not False, when
+    # off, so manifests written before the flag existed still match)
 
     @classmethod
     def create(cls, models: dict, policy: str, budget: int, dtype: str, max_new_tokens: int,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> "JobSettings":
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               chat: bool = False) -> "JobSettings":
         from taps_jax.engine.sampling import SamplingConfig
 
         SamplingConfig(temperature, top_k, top_p)  # bad values fail here, before a manifest records them
@@ -134,7 +137,8 @@ class JobSettings:
         models = {name: digest for name, digest in models.items() if used.get(name, True)}
         greedy = temperature == 0
         return cls(policy, None if policy == "ar" else budget, models, dtype, max_new_tokens, float(temperature),
-                   None if greedy else top_k, None if greedy else float(top_p), None if greedy else seed)
+                   None if greedy else top_k, None if greedy else float(top_p), None if greedy else seed,
+                   True if chat else None)
 
     @property
     def sampling(self) -> dict:
@@ -192,9 +196,17 @@ def part_digest(path) -> str:
     re-export or retraining changes it. Not a hash of every weight byte.
     """
     path = Path(path)
+    h = hashlib.sha256()
+    if path.is_file():  # a single-file checkpoint (GGUF): its name, size and sampled blocks
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(max(size - BLOCK_BYTES, 0) * i // (SAMPLED_BLOCKS - 1))
+                h.update(f.read(BLOCK_BYTES))
+        return _sha(h)
     if not path.is_dir():
         raise ValueError(f"checkpoint directory {str(path)!r} does not exist or is not a directory; check the path")
-    h = hashlib.sha256()
     for file in sorted(path.glob("*.json")):
         h.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     for file in sorted(path.glob("*.safetensors")):
@@ -478,7 +490,7 @@ def open_job(prompts_path, out_path, settings: JobSettings, *, shard: Shard | No
     """
     import jax
 
-    all_prompts = read_prompt_file(prompts_path)
+    all_prompts = read_prompt_file(prompts_path, chat=bool(settings.chat))
     prompts = shard.select(all_prompts) if shard else all_prompts
     files = JobFiles.beside(out_path)
     manifest = build_manifest(settings, prompts_path, len(all_prompts), shard)

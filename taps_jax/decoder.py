@@ -24,6 +24,7 @@ from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.engine.static import StaticGraph
 from taps_jax.engine.speculative import SpecConfig, spec_advance, spec_generate, spec_outputs, spec_start
+from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.policies import TreeConfig
 
@@ -316,6 +317,13 @@ class ModelSet:
     drafter: DrafterModel | None = None
     scorer: ScorerModel | None = None
     greedy_scorer: ScorerModel | None = None
+    name: str | None = None  # the set the parts came from (a shipped name or a path), for messages
+
+    def missing_drafter(self) -> str:
+        """Why a speculative policy cannot run here, and what to do instead."""
+        where = f"the {self.name} model set has no drafter/" if self.name else "no drafter was given"
+        return (f"speculative policies need a drafter and {where}: pass --drafter DIR (or a --model set with "
+                f"drafter/; train one with python -m train.distill), or use --policy ar")
 
     def scorer_for(self, temperature: float) -> ScorerModel | None:
         """The scorer fitted to this temperature's acceptance rule (scorer_greedy/ at 0 when present)."""
@@ -325,16 +333,19 @@ class ModelSet:
 
 
 def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
-    """Load a model directory bundling target/, drafter/ (and scorer/, scorer_greedy/ when present).
+    """Load a model set: a directory bundling target/ (or a target.json pointer), drafter/ (and scorer/,
+    scorer_greedy/ when present), or a shipped set by name ("default", "smollm2"; `taps_jax.model_sets`).
 
     mesh: load target and drafter sharded onto it (see `load_target`).
     """
-    path = Path(path)
+    path = resolve_set(path)
     if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist; pass a directory holding target/ and drafter/")
-    if not (path / "target").is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist; pass a directory holding target/ and "
+                         f"drafter/, or one of {', '.join(NAMED_SETS)}")
+    target_path = target_of(path)
+    if target_path is None:
         raise ValueError(f"{path}: no target/ subdirectory; a model set holds target/ and drafter/")
-    target = load_target(path / "target", dtype, mesh)
+    target = load_target(target_path, dtype, mesh)
     drafter = load_drafter(path / "drafter", dtype, mesh) if (path / "drafter").is_dir() else None
     scorers = [load_scorer(path / name) if (path / name).is_dir() else None for name in ("scorer", "scorer_greedy")]
     # The parts ship together, so a mismatch is a broken set: say so at load, not at decode.
@@ -347,4 +358,4 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
                     check_scorer_target(scorer, target)
     except ValueError as e:
         raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
-    return ModelSet(target, drafter, *scorers)
+    return ModelSet(target, drafter, *scorers, set_name(path))

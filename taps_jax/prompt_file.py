@@ -1,4 +1,8 @@
-"""Prompt files: JSONL, one {"prompt": "..."} (or {"ids": [...]}) per line, optional "id".
+"""Prompt files: JSONL, one {"prompt": "..."}, {"ids": [...]} or {"messages": [...]} per line, optional "id".
+
+A "messages" line is a conversation ([{"role": ..., "content": ...}, ...]),
+always rendered by the target's chat template; with chat=True a "prompt"
+line becomes one user turn of its own conversation.
 
 One reader for every tool (taps-decode jobs, taps-bench, trace collection),
 so a malformed line gets the same message, naming the file and line, everywhere.
@@ -11,18 +15,22 @@ import dataclasses
 import json
 from pathlib import Path
 
-EXPECTED = "each line must be {\"prompt\": \"...\"} (or {\"ids\": [...]}) with an optional \"id\""
+EXPECTED = ("each line must be {\"prompt\": \"...\"}, {\"ids\": [...]} or {\"messages\": [{\"role\": ..., "
+            "\"content\": ...}, ...]} with an optional \"id\"")
 IDS_HINT = "prompts are UTF-8 text; for raw token ids use {\"ids\": [...]} lines"
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptRecord:
     id: str | int
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]  # text, token ids, or a conversation
 
 
-def read_prompt_file(path) -> list[PromptRecord]:
-    """The prompts of a JSONL job file; errors name the file and line."""
+def read_prompt_file(path, chat: bool = False) -> list[PromptRecord]:
+    """The prompts of a JSONL job file; errors name the file and line.
+
+    chat: a text "prompt" becomes the conversation [{"role": "user", "content": prompt}].
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompts file {str(path)!r} does not exist")
@@ -32,6 +40,9 @@ def read_prompt_file(path) -> list[PromptRecord]:
         if not raw.strip():
             continue
         record = _parse_line(raw, f"{path}:{lineno}")
+        if "messages" in record:
+            out.append(PromptRecord(_record_id(record, out, seen, path, lineno), _messages(record, path, lineno)))
+            continue
         prompt = record.get("prompt", record.get("ids"))
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         if not (isinstance(prompt, str) or is_ids):
@@ -41,20 +52,41 @@ def read_prompt_file(path) -> list[PromptRecord]:
             raise ValueError(f"{path}:{lineno}: empty prompt")
         if isinstance(prompt, str):
             check_text(prompt, f"{path}:{lineno}: the prompt")
-        pid = record.get("id", len(out))
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise ValueError(f"{path}:{lineno}: \"id\" must be a string or an integer, got {pid!r}")
-        if isinstance(pid, str):
-            check_text(pid, f"{path}:{lineno}: the id")
-        key = prompt_key(pid)
-        if key in seen:
-            raise ValueError(f"{path}:{lineno}: duplicate id {pid!r} (first on line {seen[key]}); "
-                             "ids must be unique")
-        seen[key] = lineno
-        out.append(PromptRecord(pid, prompt))
+            if chat:
+                prompt = [{"role": "user", "content": prompt}]
+        out.append(PromptRecord(_record_id(record, out, seen, path, lineno), prompt))
     if not out:
         raise ValueError(f"{path}: no prompts found")
     return out
+
+
+def _record_id(record: dict, out: list, seen: dict, path, lineno: int):
+    """The line's id (default: its index), checked and unique."""
+    pid = record.get("id", len(out))
+    if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+        raise ValueError(f"{path}:{lineno}: \"id\" must be a string or an integer, got {pid!r}")
+    if isinstance(pid, str):
+        check_text(pid, f"{path}:{lineno}: the id")
+    key = prompt_key(pid)
+    if key in seen:
+        raise ValueError(f"{path}:{lineno}: duplicate id {pid!r} (first on line {seen[key]}); "
+                         "ids must be unique")
+    seen[key] = lineno
+    return pid
+
+
+def _messages(record: dict, path, lineno: int) -> list[dict]:
+    from taps_jax.chat import check_messages
+
+    if "prompt" in record or "ids" in record:
+        raise ValueError(f"{path}:{lineno}: give \"messages\" or \"prompt\"/\"ids\", not both")
+    try:
+        messages = check_messages(record["messages"])
+    except ValueError as e:
+        raise ValueError(f"{path}:{lineno}: {e}") from None
+    for m in messages:
+        check_text(m["content"], f"{path}:{lineno}: a message")
+    return messages
 
 
 def _parse_line(raw: bytes, where: str) -> dict:

@@ -7,9 +7,9 @@ fastest first, a tied model without `output.weight`, Llama-3 rope scaling as
 a `rope_freqs` tensor of per-frequency factors.
 
 Every check that can fail runs on the header before any tensor is read: the
-header is walked once by `_scan_header` with every count and length bounded by
-the file's size (a corrupted count must not make the reader loop or allocate
-gigabytes), then handed to `gguf.GGUFReader`, which maps the file.
+header is read by `read_header` with every count and length bounded by the
+file's size (a corrupted count must not make the reader loop or allocate
+gigabytes); tensor data stays memory-mapped until it is dequantized.
 """
 
 from __future__ import annotations
@@ -63,83 +63,92 @@ class TensorInfo:
 
 
 class _Header:
-    """A bounds-checked walk over the GGUF header (metadata + tensor infos), nothing else read."""
+    """A bounds-checked reader over the GGUF header (metadata + tensor infos): every length is checked
+    against the file's size before it is used, so a corrupted count fails at once instead of allocating."""
 
     def __init__(self, file: Path):
         self.file = file
-        self.data = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
+        self.buf = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
+        self.size = len(self.buf)
         self.pos = 0
 
     def fail(self, why: str):
         raise ValueError(f"{self.file}: not a readable GGUF file: {why}; {FIX}")
 
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.data):
-            self.fail(f"truncated at byte {self.pos} (needs {n} more, the file has {len(self.data)})")
-        out = bytes(self.data[self.pos:self.pos + n])
-        self.pos += n
-        return out
+    def need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            self.fail(f"truncated at byte {self.pos} (needs {n} more, the file has {self.size})")
 
     def scalar(self, fmt: str):
-        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+        n = struct.calcsize(fmt)
+        self.need(n)
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return value
 
     def string(self) -> str:
-        raw = self.take(self.scalar("Q"))
+        n = self.scalar("Q")
+        self.need(n)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            self.fail(f"a string at byte {self.pos - len(raw)} is not UTF-8")
+            self.fail(f"a string at byte {self.pos - n} is not UTF-8")
 
-    def skip_value(self, kind: int, depth: int = 0) -> None:
+    def value(self, kind: int, depth: int = 0):
         if kind in _SCALARS:
-            self.take(struct.calcsize(_SCALARS[kind]))
-        elif kind == _STRING:
-            self.take(self.scalar("Q"))
-        elif kind == _ARRAY and depth == 0:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY and depth == 0:
             item, count = self.scalar("I"), self.scalar("Q")
             if item in _SCALARS:
-                self.take(count * struct.calcsize(_SCALARS[item]))
-            elif item == _STRING:
-                if count * 8 > len(self.data) - self.pos:
+                fmt = _SCALARS[item]
+                n = count * struct.calcsize(fmt)
+                self.need(n)
+                out = np.frombuffer(self.buf, np.dtype("<" + fmt), count, self.pos).tolist()
+                self.pos += n
+                return out
+            if item == _STRING:
+                if count * 8 > self.size - self.pos:
                     self.fail(f"an array claims {count} strings, more than the file can hold")
-                for _ in range(count):
-                    self.take(self.scalar("Q"))
-            else:
-                self.fail(f"unsupported array item type {item}")
-        else:
-            self.fail(f"unsupported metadata value type {kind}")
+                return [self.string() for _ in range(count)]
+            self.fail(f"unsupported array item type {item}")
+        self.fail(f"unsupported metadata value type {kind}")
 
 
-def scan_header(file: Path) -> tuple[list[str], list[TensorInfo]]:
-    """The metadata keys and tensor infos of a GGUF file; ValueError naming the file for anything malformed.
+def read_header(file: Path) -> tuple[dict, list[TensorInfo]]:
+    """The metadata and tensor infos of a GGUF file; ValueError naming the file for anything malformed.
 
     Checks the magic, the version, every length against the file's size, the
-    tensor types and that every tensor's data lies inside the file.
+    tensor types and that every tensor's data lies inside the file; reads no
+    tensor data.
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if not file.is_file():
         raise ValueError(f"GGUF file {str(file)!r} does not exist; check the path")
     h = _Header(file)
-    magic = h.take(4) if len(h.data) >= 4 else h.fail(f"{len(h.data)} bytes, too short for a GGUF header")
+    if h.size < 24:
+        h.fail(f"{h.size} bytes, too short for a GGUF header")
+    magic = bytes(h.buf[:4])
+    h.pos = 4
     if magic != MAGIC:
         h.fail(f"wrong magic {magic!r} (a GGUF file starts with b'GGUF')")
     version = h.scalar("I")
     if version not in (2, 3):
         h.fail(f"GGUF version {version} is not supported (2 or 3)")
     n_tensors, n_kv = h.scalar("Q"), h.scalar("Q")
-    if n_tensors > len(h.data) or n_kv > len(h.data):
+    if n_tensors > h.size or n_kv > h.size:
         h.fail(f"the header claims {n_tensors} tensors and {n_kv} metadata keys, more than the file can hold")
-    keys, alignment = [], 32
+    meta = {}
     for _ in range(n_kv):
         key, kind = h.string(), h.scalar("I")
-        if key == "general.alignment" and kind == 4:
-            alignment = h.scalar("I")
-            if alignment == 0 or alignment & (alignment - 1):
-                h.fail(f"general.alignment {alignment} is not a power of two")
-        else:
-            h.skip_value(kind)
-        keys.append(key)
+        meta[key] = h.value(kind)
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        h.fail(f"general.alignment {alignment!r} is not a power of two")
     raw = []
     for _ in range(n_tensors):
         name, n_dims = h.string(), h.scalar("I")
@@ -148,7 +157,6 @@ def scan_header(file: Path) -> tuple[list[str], list[TensorInfo]]:
         dims = [h.scalar("Q") for _ in range(n_dims)]
         raw.append((name, dims, h.scalar("I"), h.scalar("Q")))
     start = -(-h.pos // alignment) * alignment  # the data block starts at the next aligned offset
-    size = len(h.data)
     infos = []
     for name, dims, kind, offset in raw:
         try:
@@ -156,43 +164,38 @@ def scan_header(file: Path) -> tuple[list[str], list[TensorInfo]]:
         except ValueError:
             h.fail(f"tensor {name!r} has unknown type {kind}")
         block, type_size = GGML_QUANT_SIZES[qtype]
-        count = math.prod(dims)
         if dims[0] % block:
             h.fail(f"tensor {name!r}: rows of {dims[0]} do not fill whole {qtype.name} blocks of {block}")
-        nbytes = count // block * type_size
-        if start + offset + nbytes > size:
+        nbytes = math.prod(dims) // block * type_size
+        if start + offset + nbytes > h.size:
             h.fail(f"tensor {name!r} ({qtype.name}, {nbytes} bytes at offset {start + offset}) runs past the end "
-                   f"of the file ({size} bytes): the file is truncated")
+                   f"of the file ({h.size} bytes): the file is truncated")
         infos.append(TensorInfo(name, tuple(reversed(dims)), kind, start + offset, nbytes))
-    return keys, infos
+    if len({i.name for i in infos}) != len(infos):
+        h.fail("two tensors share a name")
+    return meta, infos
 
 
 class GGUFFile:
-    """An opened, checked GGUF file: metadata values, tensor infos, and dequantizing reads under HF names."""
+    """An opened, checked GGUF file: metadata values, tensor infos, and dequantizing reads under HF names.
+
+    The header is read by `read_header` (bounds-checked; gguf.GGUFReader
+    builds a numpy view per string, 3 s for a 49k-token vocabulary); the
+    tensor bytes are mapped, not read, until `read`.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
-        _, infos = scan_header(self.path)
-        from gguf import GGUFReader
-
-        try:
-            self._reader = GGUFReader(self.path)
-        except Exception as e:  # the header passed our walk, so this is a format detail gguf refuses
-            raise ValueError(f"{self.path}: not a readable GGUF file ({e}); {FIX}") from None
-        self._fields = self._reader.fields
-        self.tensors = {t.name: t for t in self._reader.tensors}
+        self.meta, infos = read_header(self.path)
         self.infos = {t.name: t for t in infos}
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         self.arch = self.get("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"{self.path}: architecture {self.arch!r} is not supported "
                              f"(supported: {', '.join(ARCHITECTURES)})")
 
     def get(self, key: str, default=None):
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        return value.tolist() if isinstance(value, np.ndarray) else value
+        return self.meta.get(key, default)
 
     def arch_key(self, key: str, kind, default=None):
         """`{arch}.{key}` as `kind`; missing without a default is an error naming the key."""
@@ -228,13 +231,16 @@ class GGUFFile:
         """One tensor by GGUF name, dequantized to float32 in numpy (HF) order; llama q/k un-permuted."""
         from gguf import GGMLQuantizationType, quants
 
-        info, tensor = self.infos[name], self.tensors[name]
+        info = self.infos[name]
         qtype = GGMLQuantizationType(info.type)
+        raw = self._data[info.offset:info.offset + info.nbytes]
+        plain = {GGMLQuantizationType.F32: "<f4", GGMLQuantizationType.F16: "<f2"}
         try:
-            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                value = np.asarray(tensor.data, np.float32)
+            if qtype in plain:
+                value = raw.view(plain[qtype]).astype(np.float32)
             else:
-                value = quants.dequantize(np.asarray(tensor.data), qtype)
+                value = quants.dequantize(np.asarray(raw).reshape(-1, info.nbytes // (math.prod(info.shape) //
+                                                                                  info.shape[-1])), qtype)
         except NotImplementedError:
             raise ValueError(f"{self.path}: tensor {name!r} has type {qtype.name}, which the gguf package cannot "
                              f"dequantize; re-quantize the model to a supported type (e.g. Q8_0, Q4_K)") from None

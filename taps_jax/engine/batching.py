@@ -10,6 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
+from taps_jax.chat import is_conversation
 from taps_jax.prompt_file import check_text
 
 
@@ -22,14 +23,22 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 
 def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Strings (needs a tokenizer) or token-id sequences -> checked id lists."""
-    if isinstance(prompts, (str, bytes)) or (hasattr(prompts, "ndim") and prompts.ndim == 1):
+    """Strings (needs a tokenizer), token-id sequences or conversations -> checked id lists.
+
+    A conversation (a list of {"role", "content"} dicts) is rendered by the
+    tokenizer's chat template with the assistant's turn opened.
+    """
+    if isinstance(prompts, (str, bytes)) or (hasattr(prompts, "ndim") and prompts.ndim == 1) or is_conversation(prompts):
         prompts = [prompts]
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given; pass at least one prompt (a string or a list of token ids)")
     out = []
     for i, p in enumerate(prompts):
+        if is_conversation(p):
+            if tokenizer is None:
+                raise ValueError("chat prompts need a tokenizer with a chat template; this model has no tokenizer")
+            p = tokenizer.render_chat(p)
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this model has none, pass token ids instead")
