@@ -30,8 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from decode.common import Parser, positive_int
 from decode import roofline
+from taps_jax.config import CONFIGS_DIR
 
-CONFIG_DIR = Path(__file__).resolve().parent / "published"
+CONFIG_DIR = CONFIGS_DIR / "published"  # shipped with the package (taps_jax.config)
 TARGETS = {"qwen3-4b": "qwen3-4b.json", "qwen3-8b": "qwen3-8b.json", "llama3-8b": "llama3-8b.json"}
 DRAFTERS = {"dflash-b16": "dflash-b16.json"}
 DEFAULT_SET = Path(__file__).resolve().parent.parent / "taps_jax" / "assets" / "default"

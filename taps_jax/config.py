@@ -7,10 +7,22 @@ config can be a `static_argnums` argument or a closure constant.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax.numpy as jnp
 
 FAMILIES = ("qwen3", "llama", "qwen2")
+
+
+def _shipped_configs() -> Path:
+    # A wheel carries configs/ as taps_jax/configs (pyproject's package-dir mapping); a source tree or an
+    # editable install reads the repository's top-level configs/.
+    here = Path(__file__).resolve().parent
+    return here / "configs" if (here / "configs").is_dir() else here.parent / "configs"
+
+
+# The shipped settings: train/ (training presets), published/ (published model configs, for decode.rehearse).
+CONFIGS_DIR = _shipped_configs()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -364,7 +364,7 @@ def export(out: Path, drafter_graphdef, params) -> Path:
 
 
 def load_preset(name_or_path: str, args=None) -> DistillSettings:
-    """train/presets/drafter_<name>.json (or a path) over the defaults, then the flags given in `args`."""
+    """configs/train/drafter_<name>.json (or a path) over the defaults, then the flags given in `args`."""
     path, raw = read_preset("drafter", name_or_path)
     return build(DistillSettings, raw, args, str(path))
 

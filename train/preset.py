@@ -1,8 +1,8 @@
-"""Training presets: JSON files shipped inside the package (train/presets/<stage>_<name>.json).
+"""Training presets: JSON files shipped with the package (configs/train/<stage>_<name>.json).
 
-`--preset NAME` finds train/presets/<stage>_NAME.json wherever the package is
-installed (they are package data, so a wheel carries them); a value with a
-suffix or a path separator is read as a file path instead.
+`--preset NAME` finds configs/train/<stage>_NAME.json wherever the package is
+installed (a wheel carries configs/ as package data, `taps_jax.config.CONFIGS_DIR`);
+a value with a suffix or a path separator is read as a file path instead.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
+from taps_jax.config import CONFIGS_DIR
+
+PRESET_DIR = CONFIGS_DIR / "train"
 
 
 def known_presets(stage: str) -> list[str]:
@@ -47,5 +49,5 @@ def add_preset_flag(parser, stage: str, tiny: str) -> None:
     """--preset NAME|FILE for a stage's CLI, listing the shipped presets."""
     parser.add_argument("--preset", default="default",
                         help=f"{stage} preset: one of {', '.join(known_presets(stage))} "
-                             f"(train/presets/{stage}_NAME.json, shipped with the package; 'tiny' {tiny}) or a JSON "
+                             f"(configs/train/{stage}_NAME.json, shipped with the package; 'tiny' {tiny}) or a JSON "
                              f"file path; a preset overrides the built-in values below, a flag overrides the preset")

@@ -7,8 +7,8 @@ own checkpoints when interrupted (rerun the same command):
 
   tokenizer  byte-level BPE on the stdlib train split      -> WORK/tokenizer/
   data       token caches + held-out prompt set            -> WORK/tokens/, WORK/prompts_heldout.jsonl
-  target     Qwen3 pretraining (presets/target_<preset>)   -> WORK/target_train/export/
-  drafter    DFlash distillation (presets/drafter_<preset>) -> WORK/drafter_train/export/
+  target     Qwen3 pretraining (configs/train/target_*)     -> WORK/target_train/export/
+  drafter    DFlash distillation (configs/train/drafter_*)  -> WORK/drafter_train/export/
   traces     TAPS traces on train-split prompts that the    -> WORK/prompts_traces.jsonl, WORK/traces/
              drafter was NOT distilled on
   scorer     TAPS scorers: temperature-1 and greedy labels -> WORK/scorer_train/, WORK/scorer_greedy_train/
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.recipe", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=Path("runs/default"), help="working dir for all stages")
     p.add_argument("--assets", type=Path, default=Path("taps_jax/assets/default"), help="where the set is assembled")
-    p.add_argument("--preset", default="default", help="train/presets/{target,drafter}_<preset>.json")
+    p.add_argument("--preset", default="default", help="configs/train/{target,drafter}_<preset>.json")
     p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
     p.add_argument("--corpus", type=Path, default=None,
                    help="train on the .py files under this directory instead of the standard library")

@@ -8,7 +8,7 @@
 tensor-parallel over "model" (heads, MLP, vocab); default one device,
 'auto' = all devices on the data axis. Checkpoints resume on any mesh shape.
 
-A preset is `train/presets/target_<name>.json` (shipped in the package; or a path to such a file) holding
+A preset is `configs/train/target_<name>.json` (shipped in the package; or a path to such a file) holding
 `model` (ModelConfig fields; vocab_size comes from the tokenizer), `optim`
 (OptimConfig fields) and `train` (batch_size, seq_len, steps, eval_every, ...).
 Command-line flags override the preset.
@@ -80,7 +80,7 @@ class TargetSettings:
 
 
 def load_preset(name_or_path: str, args=None) -> TargetSettings:
-    """train/presets/target_<name>.json (or a path to such a file) over the defaults, then the flags in `args`."""
+    """configs/train/target_<name>.json (or a path to such a file) over the defaults, then the flags in `args`."""
     path, raw = read_preset("target", name_or_path)
     return build(TargetSettings, raw, args, str(path))
 
