@@ -16,7 +16,7 @@ from taps_jax.checkpoints.tensors import load_module, module_to_tensors, param_s
 from taps_jax.config import DrafterConfig, ModelConfig
 from taps_jax.models.drafter import Drafter, DrafterCache, draft_logits
 
-GOLDEN = Path("/work/shared/golden/ddtree-tiny")
+GOLDEN = Path(__file__).resolve().parent / "golden" / "ddtree-tiny"  # tests/golden/README.md
 
 # One compiled program per call site instead of op-by-op eager dispatch (much faster on CPU).
 uncached = nnx.jit(lambda m, *args: m.forward_uncached(*args))

@@ -10,6 +10,7 @@ lexicographically smaller rank tuple.
 
 import functools
 import heapq
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import pytest
 
 from taps_jax.tree import TreeConfig, ancestor_mask, draft_tree
 
-GOLDEN = "/work/shared/golden/ddtree-tiny/golden.npz"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "ddtree-tiny" / "golden.npz"  # tests/golden/README.md
 
 
 def heap_ddtree(logprobs_HK: np.ndarray, budget: int) -> list[tuple[int, ...]]:
