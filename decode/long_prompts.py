@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 def heldout_text() -> str:
     """The held-out split of the training corpus (files no training window ever saw), in a stable order."""
-    from train.corpus import iter_texts
+    from taps_jax.corpus import iter_texts
 
     return "\n\n".join(iter_texts("heldout"))
 
