@@ -57,3 +57,29 @@ def test_pyproject_lists_every_package():
     assert set(setuptools["packages"]) == tree | mapped, "pyproject's packages list differs from the source tree"
     for package, folder in setuptools["package-dir"].items():
         assert (ROOT / folder).is_dir(), f"{package} maps to {folder}, which is missing"
+
+
+def test_one_public_namespace():
+    """`import taps_jax` gives the whole API; the modules they live in keep them (old import paths)."""
+    import taps_jax
+    from taps_jax import api, calls, decoder
+    from taps_jax.checkpoints import scorer
+
+    homes = {"load_target": api, "Target": api, "GenerateResult": calls, "load_scorer": scorer,
+             "load_drafter": decoder, "load_model_set": decoder, "SpeculativeDecoder": decoder, "ModelSet": decoder}
+    for name, module in homes.items():
+        assert name in taps_jax.__all__ and getattr(taps_jax, name) is getattr(module, name), name
+    assert decoder.GenerateResult is taps_jax.GenerateResult and api.GenerateResult is taps_jax.GenerateResult
+    assert all(hasattr(taps_jax, name) for name in taps_jax.__all__)
+
+
+def test_any_module_can_be_imported_first():
+    """No import cycle: a fresh process importing a submodule first (taps_jax.decoder imports taps_jax.api)."""
+    import subprocess
+    import sys
+
+    code = "; ".join(f"import {m}" for m in ("taps_jax.decoder", "taps_jax.api", "taps_jax.calls"))
+    for first in ("taps_jax.decoder", "taps_jax.api", "taps_jax.engine.calibrate"):
+        done = subprocess.run([sys.executable, "-c", f"import {first}; {code}; import taps_jax; taps_jax.load_model_set"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert done.returncode == 0, (first, done.stderr[-2000:])
