@@ -345,8 +345,8 @@ def _rope_scaling(f: GGUFFile, head_dim: int, theta: float) -> RopeScaling | Non
         # s = (original / wavelen - low) / (high - low): a line in original / wavelen
         s = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit(original / wavelen[between], s, 1)
-        low = -intercept / slope
-        candidates.insert(0, (float(low), float(low + 1 / slope)))
+        low, high = -intercept / slope, -intercept / slope + 1 / slope
+        candidates[:0] = [(float(f"{low:.6g}"), float(f"{high:.6g}")), (float(low), float(high))]  # tidy first
     from taps_jax.models.layers import rope_inv_freq
 
     for low, high in candidates:
