@@ -56,7 +56,8 @@ def test_read_job_prompts_ids_and_errors(tmp_path):
                                  r"character 2\); .*\{\"ids\": \[...\]\}"),
     # The reason is whole ("Invalid control character at" alone ends mid-sentence) and says where.
     (b'{"prompt": "a\tb"}', r"in.jsonl:2: malformed JSON \(Invalid control character at column 14\); each line "
-                            r"must be \{\"prompt\": \"...\"\} \(or \{\"ids\": \[...\]\}\) with an optional \"id\"$"),
+                            r"must be \{\"prompt\": \"...\"\}, \{\"ids\": \[...\]\} or \{\"messages\": \[\{\"role\": ..., "
+                            r"\"content\": ...\}, ...\]\} with an optional \"id\"$"),
 ])
 def test_prompt_file_errors_name_file_and_line_and_print_whole(tmp_path, line, message):
     f = tmp_path / "in.jsonl"
@@ -100,10 +101,14 @@ def test_shards_split_the_prompts_by_id():
             jobs.Shard.parse(bad)
 
 
-def test_plan_batches_by_length_bucket():
-    items = [(jobs.PromptRecord(i, "p"), n) for i, n in enumerate([3, 40, 5, 17, 16, 2, 33, 1])]
+def test_plan_batches_in_length_order_one_batch_shape():
+    items = [(jobs.PromptRecord(i, f"p{i}"), n) for i, n in enumerate([3, 40, 5, 17, 16, 2, 33, 1, 9])]
     batches = jobs.plan_batches(items, batch_size=2)
-    assert [[p.id for p in b] for b in batches] == [[7, 5], [0, 2], [4], [3], [6, 1]]
+    # Cut in length order across buckets (16 and 17 share a batch): no bucket leaves a short batch of its own.
+    assert [[p.id for p in b] for b in batches] == [[7, 5], [0, 2], [8, 4], [3, 6], [1]]
+    # The last batch is topped up with copies of its first prompt: the same batch shape as the others.
+    assert jobs.batch_prompts(batches[-1], 2) == ["p1", "p1"] and jobs.batch_prompts(batches[0], 2) == ["p7", "p5"]
+    assert jobs.batch_prompts(batches[-1], 0) == ["p1"]  # a lone batch is not topped up
 
 
 def test_run_job_writes_each_prompt_once_and_resumes(tmp_path):
