@@ -190,3 +190,23 @@ def test_cli_reports_a_bad_file_in_one_line(tmp_path, good_file):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and str(bad) in lines[0] and "truncated" in lines[0], r.stderr
+
+
+def test_gguf_loads_sharded_onto_a_mesh(tmp_path):
+    """As the safetensors loader: each parameter assembled from its devices' slices, the same values."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from taps_jax import sharding
+
+    model = hf_model("llama")
+    path = tmp_path / "m.gguf"
+    write_gguf(model, "llama", path, "Q8_0")
+    mesh = sharding.make_mesh(2, 2)
+    plain, sharded = taps_jax.load_target(path), taps_jax.load_target(path, mesh=mesh)
+    q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
+    assert q.sharding == NamedSharding(mesh, P(None, "model"))
+    for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(sharded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompt = TOKENS[0, :8].tolist()
+    assert sharded.generate([prompt], 8, stop_at_eos=False).tokens == plain.generate([prompt], 8, stop_at_eos=False).tokens
