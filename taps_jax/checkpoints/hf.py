@@ -28,6 +28,23 @@ def check_dir(path) -> Path:
     return path
 
 
+def check_target(path) -> Path:
+    """A target checkpoint path: a GGUF file, or a checked Hugging Face dir."""
+    from taps_jax.checkpoints.gguf import is_gguf
+
+    return Path(path) if is_gguf(path) else check_dir(path)
+
+
+def read_target_config(path, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of a target checkpoint (HF dir or GGUF file), no weights read."""
+    from taps_jax.checkpoints import gguf
+
+    path = check_target(path)
+    if gguf.is_gguf(path):
+        return gguf.config_from_gguf(gguf.GGUFFile(path), dtype)
+    return config_from_hf(read_json(path / "config.json"), str(path / "config.json"), dtype)
+
+
 def read_json(file: Path) -> dict:
     try:
         raw = json.loads(file.read_text())

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from taps_jax.checkpoints.hf import check_dir, read_json
+from taps_jax.checkpoints.hf import check_dir, check_target, read_json
 from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, open_tensors, write_tensors
 from taps_jax.tree.scorer import Scorer, ScorerConfig
 
@@ -133,8 +133,8 @@ def embed_probe(embed_VD) -> list[float]:
 
 
 def checkpoint_embed_probe(target_dir) -> list[float]:
-    """The probe of a target checkpoint, read from its safetensors file: 4 rows, no model loading."""
-    target_dir = check_dir(target_dir)
+    """The probe of a target checkpoint, read from its safetensors (or GGUF) file: 4 rows, no model loading."""
+    target_dir = check_target(target_dir)
     with open_tensors(target_dir) as where:
         if EMBED_NAME not in where:
             raise ValueError(f"{target_dir}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")
