@@ -29,6 +29,7 @@ from decode.common import (Parser, add_mesh_args, add_model_args, choice_list, l
                            setup_mesh)
 from decode.repetition import REPEAT_NGRAM, repetition_stats
 from decode.stages import VERIFY_COST_CONTEXT, stage_times_ms, verify_cost_ms
+from taps_jax import compile_cache
 from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="taps-bench", description=__doc__.split("\n\n")[0])
     add_model_args(p)
     add_mesh_args(p)
+    compile_cache.add_flag(p)
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]} or {\"messages\": [...]}) per line "
                         "(default: the embedded held-out set)")
@@ -95,7 +97,8 @@ def _warm(decoders, batches, args):
     """One untimed pass per row (compiles, calibration): {name: (tokens, accepted per round, budgets, seconds, compiles)}."""
     kw = dict(temperature=args.temperature, seed=args.seed)
     out = {}
-    for name, dec in tqdm(decoders.items(), desc="compile", unit="row", leave=False):
+    # Bars that stay (leave=True) end with their own newline, so one never runs into the next.
+    for name, dec in tqdm(decoders.items(), desc="compile", unit="row"):
         counter = ar_generate if dec.policy == "ar" else spec_generate
         c0 = counter._cache_size()
         tokens, per_round, budgets = [], [], []
@@ -114,7 +117,7 @@ def _timed(decoders, batches, args) -> dict:
     kw = dict(temperature=args.temperature, seed=args.seed)
     names = list(decoders)
     seconds = {name: [0.0] * args.repeats for name in names}
-    bar = tqdm(total=args.repeats * len(batches), desc="timing", unit="batch", leave=False)
+    bar = tqdm(total=args.repeats * len(batches), desc="timing", unit="batch")
     for r in range(args.repeats):
         order = names[r % len(names):] + names[: r % len(names)]
         for batch in batches:
@@ -133,6 +136,7 @@ def _spread(values) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    compile_cache.setup(args)
     from decode.common import check_output_path
     for path in (args.json, args.plot):
         check_output_path(path)  # before the benchmark, not after it
@@ -158,6 +162,10 @@ def main(argv=None) -> int:
     rows = {("ar", None): SpeculativeDecoder(models.target, None, "ar", prefill_chunk=args.prefill_chunk), **decoders}
     warm = _warm(rows, batches, args)
     seconds = _timed(rows, batches, args)
+    # Stage costs of the fixed-tree rows (adaptive rows have none), timed apart with their own bar.
+    fixed = [key for key, dec in decoders.items() if dec.policy != "adaptive"] if not args.no_stages else []
+    stage_ms = {key: stage_times_ms(decoders[key], batches[0], args.max_new_tokens)
+                for key in (tqdm(fixed, desc="stages", unit="row") if fixed else ())}
     ar_tokens = warm[("ar", None)][0]
     n_ar = sum(map(len, ar_tokens))
     ar_tps = [n_ar / t for t in seconds[("ar", None)]]
@@ -207,13 +215,12 @@ def main(argv=None) -> int:
             # The share of rounds each budget verified (0 = plain AR steps) and the calibrated round costs.
             row["branch_rounds"] = {str(b): budgets.count(b) for b in decoder.adaptive.budgets}
             row["branch_costs"] = dict(zip(map(str, decoder.adaptive.budgets), decoder.branch_costs))
-            stages = {}
-        else:
-            stages = {} if args.no_stages else stage_times_ms(decoder, batches[0], args.max_new_tokens)
+        stages = stage_ms.get((policy, budget), {})
         for stage in ("draft", "select", "verify"):
             row[f"{stage}_ms_per_round"] = stages.get(stage, float("nan"))
         report["results"].append(row)
     if args.cost_curve:
+        tqdm.write("timing one target forward over T tree tokens (--cost-curve)", file=sys.stderr)
         tree_sizes = {d.tree.tree_size(d.horizon) for d in decoders.values()} or {1 + b for b in args.budgets}
         sizes = sorted({1, *tree_sizes, *(2 ** i for i in range(max(tree_sizes).bit_length()))})
         ms = verify_cost_ms(models.target, sizes)

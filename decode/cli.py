@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from decode.common import (Parser, add_mesh_args, add_model_args, load_models, model_part_dirs, positive_int, run,
                            setup_mesh)
-from taps_jax import sharding
+from taps_jax import compile_cache, sharding
 from taps_jax.checkpoints.scorer import check_scorer_dir_for_target
 from taps_jax.decoder import POLICIES, SpeculativeDecoder
 from taps_jax.calls import STREAM_CHUNK
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "OUT.old1, ... (never deleted)")
     add_model_args(p)
     add_mesh_args(p)
+    compile_cache.add_flag(p)
     p.add_argument("--policy", choices=POLICIES, default="adaptive",
                    help="ar: plain autoregressive; chain: DFlash argmax path; ddtree: best-first tree; "
                         "taps: learned target-aware tree (needs a scorer); adaptive (default): each round picks a "
@@ -159,6 +161,7 @@ def open_cli_job(args, dirs: dict):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    compile_cache.setup(args)  # before anything compiles
     mesh = setup_mesh(args)
     dirs = model_part_dirs(args)
     if args.policy in ("taps", "adaptive") and dirs["scorer"] is not None:
@@ -189,9 +192,11 @@ def main(argv=None) -> int:
 
 def decode_one(decoder, args, prompt, echo: str):
     """Decode one prompt (text or conversation), printing `echo` + the text (streamed with --stream)."""
+    begin = time.perf_counter()  # compile_s: the whole wait before decoding (prepare may calibrate, and compile)
     call = decoder.prepare([prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed)
     call.compile(stream=args.stream)  # ahead of time: the prompt is decoded once, compile timed apart
+    waited = time.perf_counter() - begin
     show = sharding.is_main_process()
     if args.stream:
         printed = TextDeltas(echo) if show else None  # every process decodes, one prints
@@ -204,6 +209,7 @@ def decode_one(decoder, args, prompt, echo: str):
         result = call.run()
         if show:
             print(echo + result.texts[0])
+    result.stats["compile_s"] = waited
     return result
 
 

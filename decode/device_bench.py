@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from decode.common import Parser, choice_list, positive_int
 from decode.stages import times_ms
+from taps_jax import compile_cache
 
 # Model sizes: (target config, drafter config) as HF / DFlash config fields, or a published config name.
 TINY_TARGET = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1024, hidden_size=64,
@@ -241,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--out", type=Path, default=Path("runs/device_bench"),
                    help="directory for device_bench_SIZE.json and .png (default runs/device_bench)")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -266,6 +268,10 @@ def format_result(r: dict) -> str:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        compile_cache.setup(args)
+    except ValueError as e:
+        parser.error(str(e))
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
     if min(args.budgets) < 15:

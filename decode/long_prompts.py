@@ -92,12 +92,12 @@ def run_long_prompts(decoders: dict, prompts: dict[int, list[list[int]]], max_ne
     for n, batch in prompts.items():
         runs = {name: {"prefill": [], "total": [], "peak": 0} for name in decoders}
         results = {}
-        for name, dec in tqdm(decoders.items(), desc=f"{n} tokens: compile", unit="row", leave=False):
+        for name, dec in tqdm(decoders.items(), desc=f"{n} tokens: compile", unit="row"):
             reset_peak_memory()
             dec.generate(batch, 1, **kw)  # compile both programs (not timed)
             results[name] = dec.generate(batch, max_new_tokens, **kw)
             runs[name]["peak"] = peak_memory_bytes()
-        for _ in tqdm(range(repeats), desc=f"{n} tokens: timing", unit="repeat", leave=False):
+        for _ in tqdm(range(repeats), desc=f"{n} tokens: timing", unit="repeat"):
             for name, dec in decoders.items():
                 reset_peak_memory()
                 runs[name]["prefill"].append(_seconds(lambda: dec.generate(batch, 1, **kw)))

@@ -26,6 +26,7 @@ import jax
 from tqdm import tqdm
 
 from decode.common import Parser, add_model_args, check_output_path, choice_list, load_models, positive_int, run
+from taps_jax import compile_cache
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.ar import ar_generate
 from taps_jax.engine.batching import bucket
@@ -74,6 +75,7 @@ def build_parser():
     p.add_argument("--policies", type=choice_list(POLICIES), default=["ar", "chain", "ddtree", "taps"])
     p.add_argument("--budget", type=positive_int, default=32, help="tree budget (default 32)")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -108,6 +110,7 @@ def decode_all(decoder, prompts, max_new_tokens: int, desc: str) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    compile_cache.setup(args)
     check_output_path(args.json)  # before the long run, not after it
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
     models = load_models(args)

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from decode.common import Parser, positive_int
 from decode import roofline
+from taps_jax import compile_cache
 from taps_jax.config import CONFIGS_DIR
 
 CONFIG_DIR = CONFIGS_DIR / "published"  # shipped with the package (taps_jax.config)
@@ -418,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", default=None, metavar="A,B",
                    help=f"roofline parts (default all: {','.join(roofline.PARTS)})")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -464,6 +466,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        compile_cache.setup(args)
         shape = sharding.parse_mesh(args.mesh)
         if not isinstance(shape, tuple):
             raise ValueError(f"--mesh needs DATA,MODEL for a rehearsal, got {args.mesh!r}")

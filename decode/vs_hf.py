@@ -25,6 +25,7 @@ from pathlib import Path
 
 from decode.common import Parser, positive_int, run
 from decode.long_prompts import long_prompts
+from taps_jax import compile_cache
 
 
 def _int_list(text: str) -> list[int]:
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per side (default 3)")
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text to cut prompts from (default: held-out corpus)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -60,6 +62,7 @@ def _timed(fn) -> float:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    compile_cache.setup(args)
     from decode.common import check_output_path
 
     check_output_path(args.json)

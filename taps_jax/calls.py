@@ -15,18 +15,27 @@ two forms that give the same tokens:
 `compile()` compiles the form you will use ahead of time
 (`jit(...).lower(...).compile()`), so compile time and decode time are
 measured apart and the prompt is decoded once.
+
+Compiled programs are cached on disk across processes (`taps_jax.compile_cache`,
+turned on by the first compile unless opted out), and a program that is not
+there yet is announced on stderr before it compiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
+import json
 import time
 from typing import Any, Callable, Iterator
 
-from taps_jax import sharding
+import jax
+
+from taps_jax import compile_cache, sharding
 from taps_jax.engine.prefill import RUNNING
 from taps_jax.engine.sizing import MemoryEstimate, raise_out_of_memory
+from taps_jax.engine.static import StaticGraph
 
 STREAM_CHUNK = 4  # rounds (AR steps) per streamed chunk
 
@@ -67,6 +76,40 @@ def _dynamic(fn, static: tuple[str, ...], args, kwargs):
     return tuple(pos), kw
 
 
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)  # a jitted function keeps its name; a stand-in may not
+
+
+def program_id(name: str, args: tuple, kwargs: dict) -> tuple:
+    """Which program an engine call runs, cheaply (hashable, no walk over the params): the program's name,
+    its static config and graphs, the batch shape and its placement. args end with (prompt, lens, active, key)."""
+    statics = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, StaticGraph))
+    prompt = args[-4]
+    return name, kwargs["config"], statics, tuple(prompt.shape), getattr(prompt, "sharding", None)
+
+
+def program_key(program: tuple, args: tuple, kwargs: dict) -> str:
+    """`program_id` as a digest that is the same in every process (a graph by its parameters' shapes: a
+    GraphDef's repr is not stable across processes)."""
+    name, config, _, shape, placement = program
+    params = jax.tree_util.tree_leaves((args[:-4], kwargs.get("scorer_params")))
+    device = jax.devices()[0]
+    facts = [name, repr(config), shape, repr(placement), f"{device.platform}:{device.device_kind}",
+             jax.device_count(), jax.__version__, [(tuple(x.shape), str(x.dtype)) for x in params if hasattr(x, "shape")]]
+    return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
+
+
+def describe(config, shape) -> str:
+    """'the adaptive decoder for batch 8, prompts up to 32 tokens, 256 cache slots': what a compile notice names
+    (shape: the padded prompt buffer's, [batch, prompt bucket])."""
+    decode = getattr(config, "decode", config)
+    if not hasattr(config, "tree"):
+        kind = "AR decoder"
+    else:
+        kind = "adaptive decoder" if config.adaptive is not None else f"{config.tree.policy} decoder"
+    return f"the {kind} for batch {shape[0]}, prompts up to {shape[1]} tokens, {decode.capacity} cache slots"
+
+
 @dataclasses.dataclass
 class GenerateCall:
     """One checked generate call. `run()` == the decoder's `generate(...)`; see the module doc."""
@@ -84,11 +127,19 @@ class GenerateCall:
     def _model_args(self) -> tuple:
         return self.args[:-4]
 
+    def _compiling(self, stream: bool):
+        """compile_cache.compiling for this call's program(s): a notice first unless known to be compiled."""
+        p = self.programs
+        name = f"{_name(p.start)}+{_name(p.advance)}" if stream else _name(p.generate)
+        program = program_id(name, self.args, self.kwargs)
+        return compile_cache.compiling(describe(self.kwargs["config"], program[3]), name, program,
+                                       lambda: program_key(program, self.args, self.kwargs))
+
     def compile(self, stream: bool = False) -> float:
         """Compile generate (or, stream=True, start + advance) ahead of time; returns the seconds it took."""
         p = self.programs
         begin = time.perf_counter()
-        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
+        with self._compiling(stream), sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
             if stream:
                 state = p.start.eval_shape(*self.args, **self.kwargs)
                 limit = 0  # a traced int32 scalar: any value compiles the same program
@@ -114,7 +165,7 @@ class GenerateCall:
     def run(self) -> GenerateResult:
         """Decode to the end (the compiled executable when `compile()` ran, else the jitted program)."""
         begin = time.perf_counter()
-        with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
+        with self._compiling(False), sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
             outputs = tuple(map(sharding.to_host, self._call("generate", *self.args)))
         return self._timed(self.finish(outputs), time.perf_counter() - begin)
 
@@ -130,7 +181,8 @@ class GenerateCall:
 
     def _stream(self, chunk: int) -> Iterator[GenerateResult]:
         begin = time.perf_counter()
-        state = self._on_devices(self._call, "start", *self.args)
+        with self._compiling(True):  # the start program (the advance program compiles at its first call, next)
+            state = self._on_devices(self._call, "start", *self.args)
         while True:
             outputs = self._on_devices(lambda: tuple(map(sharding.to_host, self.programs.outputs(state, self.kwargs))))
             result = self.finish(outputs)

@@ -13,6 +13,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=N in the child's environment.
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import jax
@@ -21,6 +22,9 @@ import pytest
 
 N_CPU_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", N_CPU_DEVICES)
+# Tests compile what they test and write nothing to your home: no on-disk compile cache (tests/test_compile_cache.py
+# turns it on in a private dir). Subprocesses inherit it.
+os.environ.setdefault("TAPS_JAX_COMPILE_CACHE", "0")
 
 # Tiny shapes shared by every family: GQA with 4 query heads over 2 kv heads.
 TINY = dict(

@@ -75,8 +75,11 @@ def test_bench_writes_json_and_plot(model_dir, tmp_path, capsys, _private_cost_c
                        "--policies", "ar,chain,ddtree,adaptive", "--budgets", "4", "--max-new-tokens", "6",
                        "--batch-size", "2", "--repeats", "2", "--cost-curve", "--json", str(out_json),
                        "--plot", str(out_png)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "compile s" in printed and "rounds per budget" in printed
+    assert "compiling the adaptive decoder for batch 2, prompts up to " in captured.err
+    assert "timing its branches" in captured.err
     report = json.loads(out_json.read_text())
     assert set(report) >= {"config", "ar", "results", "ar_spread", "busy"}
     assert report["config"]["repeats"] == 2

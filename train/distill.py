@@ -92,7 +92,7 @@ import optax
 from flax import nnx
 
 from decode.common import check_output_path
-from taps_jax import sharding
+from taps_jax import compile_cache, sharding
 from taps_jax.api import Target, load_target
 from taps_jax.checkpoints.dflash import save_drafter
 from taps_jax.config import DrafterConfig, ModelConfig
@@ -391,6 +391,7 @@ def parse_args(argv):
     p.add_argument("--bench", type=int, default=0, metavar="N",
                    help="time N train steps (and the target-tap forward alone) on random sequences, then exit")
     sharding.add_mesh_args(p)
+    compile_cache.add_flag(p)
     return p.parse_args(argv)
 
 
@@ -413,6 +414,7 @@ class DistillRun:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        compile_cache.setup(args)
         check_output_path(args.out, directory=True)  # before any work
         config = DistillRun(target=args.target, out=args.out, settings=load_preset(args.preset, args),
                             prompts=args.prompts, val_prompts=args.val_prompts, corpus=args.corpus,

@@ -30,6 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from taps_jax import compile_cache
 from train import corpus
 
 STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assemble", "report")
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--report-tokens", type=int, default=128, help="new tokens per prompt in the report benchmark")
     p.add_argument("--dry-run", action="store_true",
                    help="print each stage's training command and resolved preset, run nothing")
+    compile_cache.add_flag(p)
     args = p.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
@@ -267,6 +269,7 @@ def main(argv=None) -> int:
     try:
         for out in (args.work, args.assets):
             check_output_path(out, directory=True)  # before any stage runs
+        compile_cache.setup(args)  # the stages run in this process
     except ValueError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2

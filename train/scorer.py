@@ -31,7 +31,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from decode.common import check_output_path
-from taps_jax import sharding
+from taps_jax import compile_cache, sharding
 from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
 from taps_jax.checkpoints.scorer import EMBED_NAME, ScorerModel, save_scorer
 from taps_jax.checkpoints.tensors import read_tensor
@@ -387,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     add_flags(p, ScorerTrainConfig)  # every setting, with its help and default, from the dataclass
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     sharding.add_mesh_args(p)
+    compile_cache.add_flag(p)
     args = p.parse_args(argv)
     try:
+        compile_cache.setup(args)
         check_output_path(args.out, directory=True)  # before any work
         mesh = sharding.setup_mesh(args)
         s = run(ScorerRun(args.traces, args.target, args.out, build(ScorerTrainConfig, None, args), args.resume),

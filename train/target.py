@@ -42,7 +42,7 @@ import optax
 from flax import nnx
 
 from decode.common import check_output_path
-from taps_jax import sharding
+from taps_jax import compile_cache, sharding
 from taps_jax.api import Target
 from taps_jax.checkpoints.tokenizer import Tokenizer
 from taps_jax.config import ModelConfig
@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip training: export the best (else latest) checkpoint under --out to --out/export")
     p.add_argument("--bench", type=int, default=0, metavar="N", help="time N steps after compiling, then exit")
     sharding.add_mesh_args(p)
+    compile_cache.add_flag(p)
     args = p.parse_args(argv)
     try:
+        compile_cache.setup(args)
         check_output_path(args.out, directory=True)  # before any work
         config = TargetRun(out=args.out, settings=load_preset(args.preset, args), tokenizer=args.tokenizer,
                            tokens=args.tokens, corpus=args.corpus, prompts=args.prompts, val_prompts=args.val_prompts,

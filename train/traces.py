@@ -48,6 +48,7 @@ from train import data
 from train.config import add_flags, build, option
 
 from decode.common import check_output_path
+from taps_jax import compile_cache
 from taps_jax.api import Target, load_target
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import bucket, encode_prompts, pad_batch
@@ -520,8 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-rows", type=int, default=4096, help="trace rows per shard file")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     p.add_argument("--no-eos", action="store_true", help="do not stop sequences at EOS")
+    compile_cache.add_flag(p)
     args = p.parse_args(argv)
     try:
+        compile_cache.setup(args)
         meta = run(TracesRun(
             target=args.target, drafter=args.drafter, out=args.out, prompts=args.prompts, corpus=args.corpus,
             num_prompts=args.num_prompts, distill_prompts=tuple(args.distill_prompts),

@@ -7,7 +7,9 @@ figures depend on the device, the models, the branch budgets, the batch,
 the kind of sampling, the cache capacity and the engine version, which together key the cache file
 (`$TAPS_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/taps-jax`, else
 `~/.cache/taps-jax`; `adaptive_costs.json`). Delete that file to measure
-again (e.g. after a hardware change the key does not see).
+again (e.g. after a hardware change the key does not see). A calibration
+is announced on stderr (it compiles the generate program it times, and that
+program is then cached on disk too: `taps_jax.compile_cache`).
 """
 
 from __future__ import annotations
@@ -17,25 +19,20 @@ import hashlib
 import json
 import os
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taps_jax import compile_cache
+from taps_jax.calls import describe, program_id, program_key
+from taps_jax.compile_cache import cache_dir
 from taps_jax.engine import speculative as spec
 
 CACHE_FILE = "adaptive_costs.json"
 # Part of the cache key: bump when a change to the engine changes what a round costs.
 ENGINE_VERSION = 3  # 2: AR runs, in-place branches; 3: key blocks of 128 in small caches
 _memory: dict[str, tuple[float, ...]] = {}
-
-
-def cache_dir() -> Path:
-    if os.environ.get("TAPS_JAX_CACHE_DIR"):
-        return Path(os.environ["TAPS_JAX_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "taps-jax"
 
 
 def cost_key(args, kwargs) -> str:
@@ -65,6 +62,17 @@ def cost_key(args, kwargs) -> str:
     return json.dumps(facts, sort_keys=True)
 
 
+def forced_run(args, kwargs, branch: int, rounds: int) -> tuple[float, int]:
+    """(seconds, rounds run) of `spec_generate` forced to one branch and stopped after `rounds` rounds."""
+    budgets = kwargs["config"].adaptive.budgets
+    # Device arrays and a host prior, as `SpeculativeDecoder.prepare` passes them: the same jit entry.
+    kw = dict(kwargs, costs_K=jnp.ones(len(budgets), jnp.float32), force=jnp.int32(branch),
+              max_rounds=jnp.int32(rounds), prior_K=np.full((len(budgets),), np.nan, np.float32))
+    start = time.perf_counter()
+    out = jax.block_until_ready(spec.spec_generate(*args, **kw))
+    return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
+
+
 def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float, ...]:
     """Milliseconds per round of each branch (least of `repeats`, interleaved across branches).
 
@@ -79,12 +87,7 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float,
     budgets = kwargs["config"].adaptive.budgets
 
     def run(k, rounds):
-        # Device arrays and a host prior, as `SpeculativeDecoder.prepare` passes them: the same jit entry.
-        kw = dict(kwargs, costs_K=jnp.ones(len(budgets), jnp.float32), force=jnp.int32(k),
-                  max_rounds=jnp.int32(rounds), prior_K=np.full((len(budgets),), np.nan, np.float32))
-        start = time.perf_counter()
-        out = jax.block_until_ready(spec.spec_generate(*args, **kw))
-        return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
+        return forced_run(args, kwargs, k, rounds)
 
     # 16 AR steps include about one absorption of the queued taps (block size 16); trees: 5 rounds.
     r1, r2 = 1, max(2, min(max_new_tokens, 17))
@@ -117,7 +120,17 @@ def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
     if entry and len(entry.get("ms", ())) == len(kwargs["config"].adaptive.budgets):
         costs = tuple(float(c) for c in entry["ms"])
     else:
+        # First the generate program compiles (the one `SpeculativeDecoder.prepare` hands on: booked as
+        # compiled, so no second notice), then every branch is timed: always a wait worth announcing.
+        program = program_id(spec.spec_generate.__name__, args, kwargs)
+        compile_cache.ensure()
+        compile_cache.announce(f"{describe(kwargs['config'], program[3])} and timing its branches", "calibration")
+        compiled_s, _ = forced_run(args, kwargs, 0, 1)
+        compile_cache.mark_compiled(program, program_key(program, args, kwargs), program[0], compiled_s)
+        begin = time.perf_counter()
         costs = measure(args, kwargs, max_new_tokens)
+        compile_cache.mark_compiled(("calibration", key), hashlib.sha256(key.encode()).hexdigest()[:24],
+                                    "calibration", compiled_s + time.perf_counter() - begin)
         table = table if isinstance(table, dict) else {}
         table[key] = {"ms": list(costs), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         try:
