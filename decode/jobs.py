@@ -28,10 +28,17 @@ with ONE append `write` of whole lines followed by `fsync`, so the only damage
 an interruption can do is a torn last line (no trailing newline). That tail,
 and nothing else, is cut on resume; prompts already in OUT are skipped.
 
-Batching: prompts are tokenized, sorted by length, grouped into power-of-two
-length buckets and cut into batches of --batch-size inside each bucket, so a
-batch pads little and every (batch, length) bucket compiles once. A batch is
-padded to a multiple of the mesh's data axis by the decoder.
+Batching, and few compiled programs: a program is compiled per shape
+(batch rows, prompt buffer, cache slots; the last two are powers of two of
+the longest prompt, and of it + max_new_tokens + tree headroom). So prompts
+are tokenized, sorted by length and cut into batches of --batch-size in that
+order: a batch holds prompts of nearby lengths (little padding) and the
+batches of one length bucket share one program; the last batch is topped up
+with copies of its first prompt (their results are dropped) so that it runs
+the same batch shape as the others. A job of L length buckets compiles at
+most about L programs (one more where a bucket's prompts straddle a cache
+bucket), and calibrates the adaptive policy once per cache size. The decoder
+pads a batch to a power of two and to a multiple of the mesh's data axis.
 
 Shards (`Shard(i, n)`, `--shard I/N`): the prompts sorted by id, every n-th
 from the i-th, each shard its own job with its own OUT; `decode.merge`
@@ -560,20 +567,18 @@ def _trim(path: Path, keep: int, progress: bool) -> None:
 
 
 def plan_batches(items: list[tuple[PromptRecord, int]], batch_size: int) -> list[list[PromptRecord]]:
-    """(prompt, token count) pairs -> batches of one length bucket each, shortest first."""
-    ordered = sorted(items, key=lambda it: (bucket(it[1]), it[1]))
-    batches: list[list[PromptRecord]] = []
-    current, current_bucket = [], None
-    for prompt, n in ordered:
-        b = bucket(n)
-        if current and (b != current_bucket or len(current) == batch_size):
-            batches.append(current)
-            current = []
-        current_bucket = b
-        current.append(prompt)
-    if current:
-        batches.append(current)
-    return batches
+    """(prompt, token count) pairs -> batches of `batch_size` (the last one may be short), shortest first.
+
+    Cut in length order, not per length bucket: a bucket's short last batch
+    would be a batch shape of its own, hence a compile of its own.
+    """
+    ordered = [prompt for prompt, _ in sorted(items, key=lambda it: it[1])]
+    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def batch_prompts(batch: list[PromptRecord], rows: int) -> list:
+    """The prompts a batch decodes: its own, then copies of its first up to `rows` (same shape as the others)."""
+    return [p.prompt for p in batch] + [batch[0].prompt] * (rows - len(batch))
 
 
 def _batch_seed(seed: int, batch: list[PromptRecord]) -> int:
@@ -607,16 +612,21 @@ def decode_job(decoder, job: Job, *, batch_size: int = 8, progress: bool = True)
     if progress:
         from taps_jax.sharding import describe
 
-        tqdm.write(f"decoding {len(todo)} prompts in {len(batches)} batches (up to {batch_size} prompts, one length "
-                   f"bucket each) on {describe(getattr(decoder, 'mesh', None))}", file=sys.stderr)
-    bar = tqdm(total=len(todo), unit="prompt", desc="decode", disable=not progress, dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 30.0, file=sys.stderr)
+        tqdm.write(f"decoding {len(todo)} prompts in {len(batches)} batches of {min(batch_size, len(todo))} (in "
+                   f"length order) on {describe(getattr(decoder, 'mesh', None))}", file=sys.stderr)
+    from taps_jax.calls import program_id
+
+    report = Progress(len(todo), progress)
     start = time.perf_counter()
     tokens = rounds = accepted = 0
+    rows = len(batches[0]) if len(batches) > 1 else 0  # one batch shape for all (a lone batch is not topped up)
+    programs = set()
     try:
         for batch in batches:
-            res = decoder.generate([p.prompt for p in batch], max_new_tokens,
+            call = decoder.prepare(batch_prompts(batch, rows), max_new_tokens,
                                    **{**sampling, "seed": _batch_seed(sampling["seed"], batch)})
+            programs.add(program_id(call.programs.generate.__name__, call.args, call.kwargs))
+            res = call.run()  # == decoder.generate(...)
             lines = []
             for i, p in enumerate(batch):
                 n = len(res.tokens[i])
@@ -637,19 +647,50 @@ def decode_job(decoder, job: Job, *, batch_size: int = 8, progress: bool = True)
                 tokens += n
             job.append(lines)
             summary["written"] += len(batch)
-            elapsed = time.perf_counter() - start
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{tokens / max(elapsed, 1e-9):,.0f}", tau=f"{accepted / max(rounds, 1):.2f}",
-                            refresh=False)
+            report.update(len(batch), tokens, accepted / max(rounds, 1))
     finally:
-        bar.close()
+        report.close()
     elapsed = time.perf_counter() - start
-    summary.update(tokens=tokens, seconds=elapsed, tau=accepted / max(rounds, 1))
+    # (batch rows, prompt buffer, cache slots) of each program: its shape, the config's capacity.
+    shapes = sorted((*program[3], getattr(program[1], "decode", program[1]).capacity) for program in programs)
+    summary.update(tokens=tokens, seconds=elapsed, tau=accepted / max(rounds, 1), programs=len(programs))
     if progress:
+        sizes = ", ".join("x".join(map(str, shape)) for shape in shapes)
         tqdm.write(f"wrote {summary['written']} prompts to {out_path} ({skipped} were already done): "
                    f"{summary['written'] / elapsed:.2f} prompts/s, {tokens / elapsed:,.1f} tokens/s, "
-                   f"tau {summary['tau']:.2f}", file=sys.stderr)
+                   f"tau {summary['tau']:.2f}; {len(programs)} decode programs (batch x prompt buffer x cache "
+                   f"slots: {sizes})", file=sys.stderr)
     return summary
+
+
+class Progress:
+    """The job's progress on stderr: a live bar on a terminal (cleared at the end, the summary line stays);
+    elsewhere (a log file) one plain line at most every 30 s, so no line is printed twice."""
+
+    INTERVAL_S = 30.0
+
+    def __init__(self, total: int, show: bool):
+        self.total, self.done, self.show = total, 0, show
+        self.start = self.last = time.perf_counter()
+        self.bar = tqdm(total=total, unit="prompt", desc="decode", dynamic_ncols=True, leave=False,
+                        file=sys.stderr) if show and sys.stderr.isatty() else None
+
+    def update(self, n: int, tokens: int, tau: float) -> None:
+        self.done += n
+        now = time.perf_counter()
+        rate = tokens / max(now - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix(tok_s=f"{rate:,.0f}", tau=f"{tau:.2f}", refresh=False)
+            self.bar.update(n)
+        elif self.show and now - self.last >= self.INTERVAL_S and self.done < self.total:
+            self.last = now
+            # No time left: the first batches of each shape also compile, so the rate so far says little.
+            tqdm.write(f"decode: {self.done}/{self.total} prompts after {now - self.start:.0f} s, {rate:,.0f} "
+                       f"tokens/s, tau {tau:.2f}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run_job(decoder, prompts_path, out_path, *, batch_size: int = 8, max_new_tokens: int = 128,

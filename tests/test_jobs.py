@@ -138,6 +138,20 @@ def test_run_job_writes_each_prompt_once_and_resumes(tmp_path):
     assert jobs.run_job(decoder, f, out, batch_size=2, max_new_tokens=NEW, progress=False)["written"] == 0
 
 
+def test_a_job_shares_programs_and_reports_them(tmp_path, capsys):
+    """Batches in length order, the last one topped up: one program per (prompt buffer, cache) shape, listed."""
+    target, _ = tiny_pair(VOCAB)
+    decoder = SpeculativeDecoder(target, None, "ar")
+    lengths = [12, 9, 12, 9, 12]  # prompt buffer 16 for all; cache 16 (9 + NEW) or 32 (12 + NEW)
+    f = write_jsonl(tmp_path / "in.jsonl", [{"ids": [1 + i] * n} for i, n in enumerate(lengths)])
+    s = jobs.run_job(decoder, f, tmp_path / "out.jsonl", batch_size=2, max_new_tokens=NEW)
+    assert s["written"] == 5 and s["programs"] == 2  # the lone 12-token prompt runs the full batch's program
+    assert "2 decode programs (batch x prompt buffer x cache slots: 2x16x16, 2x16x32)" in capsys.readouterr().err
+    rows = {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "out.jsonl")}
+    alone = target.generate([[1 + 4] * 12], NEW).tokens[0]  # the topped-up batch's copies change nothing
+    assert rows[4] == alone and len(rows) == 5
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
