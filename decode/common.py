@@ -95,6 +95,17 @@ def load_models(args, mesh=None) -> ModelSet:
     )
 
 
+def read_prompts(source, chat: bool = False, limit: int | None = None) -> list:
+    """Prompts for the benchmarks: a prompt file (taps_jax.prompt_file), or "humaneval" (its problems as chats)."""
+    if str(source) == "humaneval" and not Path(source).is_file():
+        from decode.humaneval import humaneval_chats
+
+        return humaneval_chats(limit)[1]
+    from taps_jax.prompt_file import read_prompt_file
+
+    return [r.prompt for r in read_prompt_file(source, chat=chat)][:limit]
+
+
 def run(main, prog: str) -> None:
     """Turn user errors (ValueError) into one line on stderr and exit status 2, and an
     out-of-memory that escaped the size checks (MemoryError, with the sizes) into one line and status 1."""

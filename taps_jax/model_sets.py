@@ -45,12 +45,17 @@ def target_of(set_dir: Path) -> Path | None:
 
 
 def pointed_file(pointer: Path) -> Path:
-    """The file a target.json names inside an installed package, after its size-and-sha256 check."""
+    """The file a target.json names, after its sha256 check: {"package", "file", "sha256", "install"} for a
+    file inside an installed package, or {"path", "sha256"} (sha256 optional: a directory has none)."""
     try:
         raw = json.loads(pointer.read_text())
-        package, name, sha, install = raw["package"], raw["file"], raw["sha256"], raw["install"]
+        if "path" not in raw:
+            package, name, sha, install = raw["package"], raw["file"], raw["sha256"], raw["install"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{pointer}: not a target pointer ({e!r}); it needs package, file, sha256, install") from None
+        raise ValueError(f"{pointer}: not a target pointer ({e!r}); it needs package, file, sha256, install "
+                         f"(or path)") from None
+    if "path" in raw:
+        return _pointed_path(pointer, Path(raw["path"]), raw.get("sha256"))
     spec = importlib.util.find_spec(package)  # finds the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"the {set_name(pointer.parent)} model set needs its target from the {package!r} "
@@ -62,6 +67,15 @@ def pointed_file(pointer: Path) -> Path:
         raise ValueError(f"{file} is not the file the {set_name(pointer.parent)} model set was built for (its "
                          f"sha256 differs from {sha}); reinstall it: {install}")
     return file
+
+
+def _pointed_path(pointer: Path, path: Path, sha: str | None) -> Path:
+    if not path.exists():
+        raise ValueError(f"{pointer}: the target {path} does not exist; restore it or rebuild the set")
+    if sha is not None and file_sha256(path) != sha:
+        raise ValueError(f"{pointer}: {path} is not the file this set was built for (its sha256 differs from "
+                         f"{sha}); restore it or rebuild the set")
+    return path
 
 
 _SHA_CACHE: dict[tuple, str] = {}

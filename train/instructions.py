@@ -485,15 +485,25 @@ def write_jsonl(path: Path, instructions: Iterable[Instruction]) -> int:
     return n
 
 
-def render_prompts(instructions: list[Instruction], target_path: Path, max_prompt_tokens: int | None = None
+def write_records(path: Path, records: list[dict]) -> None:
+    """JSONL of records, whole or not at all (temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    tmp.replace(path)
+
+
+def render_prompts(instructions: list[Instruction], target, max_prompt_tokens: int | None = None
                    ) -> tuple[list[dict], int]:
     """({"id", "prompt"} records with each user turn rendered by the target's chat template, how many were
-    dropped for being longer than max_prompt_tokens): text prompts `train.distill --prompts` continues."""
-    from taps_jax.api import load_target
+    dropped for being longer than max_prompt_tokens): text prompts `train.distill --prompts` continues.
+
+    target: a loaded `Target` or its checkpoint path."""
+    from taps_jax.api import Target, load_target
 
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be a positive integer, got {max_prompt_tokens!r}")
-    target = load_target(target_path)
+    target = target if isinstance(target, Target) else load_target(target)
     texts = target.chat_prompts([ins.record()["messages"] for ins in instructions])
     out, dropped = [], 0
     for ins, text in zip(instructions, texts):
@@ -534,10 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {n} {args.split} instructions to {args.out}")
             return 0
         records, dropped = render_prompts(drawn, args.chat_target, args.max_prompt_tokens)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        tmp.replace(args.out)
+        write_records(args.out, records)
         print(f"wrote {len(records)} {args.split} prompts rendered by {args.chat_target}'s chat template to "
               f"{args.out} ({dropped} longer than {args.max_prompt_tokens} tokens dropped)")
         return 0

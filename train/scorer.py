@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from decode.common import check_output_path
 from taps_jax import compile_cache, sharding
-from taps_jax.checkpoints.hf import check_dir, config_from_hf, read_json
+from taps_jax.checkpoints.hf import check_target, read_target_config
 from taps_jax.checkpoints.scorer import EMBED_NAME, ScorerModel, save_scorer
 from taps_jax.checkpoints.tensors import read_tensor
 from taps_jax.config import ModelConfig
@@ -91,9 +91,9 @@ class ScorerTrainConfig:
 
 
 def load_target_embedding(path) -> tuple[ModelConfig, np.ndarray]:
-    """The target's config and its [V, D] token embedding table (float32), nothing else."""
-    path = check_dir(path)
-    config = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
+    """The target's config and its [V, D] token embedding table (float32), nothing else (HF dir or GGUF)."""
+    path = check_target(path)
+    config = read_target_config(path)
     table = read_tensor(path, EMBED_NAME)  # the shared reader: this one tensor only
     if table is None:
         raise ValueError(f"{path}: no tensor {EMBED_NAME!r}; expected a Hugging Face target checkpoint")

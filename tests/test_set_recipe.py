@@ -1,0 +1,61 @@
+"""train.set_recipe end to end on a tiny set: a chat-templated target of ours, the tiny drafter preset."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
+from train import set_recipe
+
+TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}<|endoftext|>\n{% endfor %}"
+            "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+def tiny_set(tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(DEFAULT_MODEL_DIR / "target", target)
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    spec = {
+        "target": str(target), "assets": str(tmp_path / "assets"), "drafter_preset": "tiny",
+        "prompts": {"seed": 0, "max_prompt_tokens": 400,
+                    "counts": {"train": 16, "validation": 4, "traces": 3, "heldout": 2}},
+        "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3},
+        "scorer": {"steps": 4},
+        "report": {"prompts": "humaneval", "num_prompts": 1, "budgets": "4", "max_new_tokens": 8},
+    }
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
+    spec, work = tiny_set(tmp_path), tmp_path / "work"
+    argv = ["--set", str(spec), "--work", str(work), "--stages", "prompts,drafter,traces,scorer,assemble"]
+    assert set_recipe.main(argv) == 0
+    prompts = {s: [json.loads(line) for line in (work / f"prompts_{s}.jsonl").open()] for s in set_recipe.SPLITS}
+    assert all(r["prompt"].startswith("### user:\n") for rows in prompts.values() for r in rows)
+    ids = {s: {r["id"] for r in rows} for s, rows in prompts.items()}
+    assert not ids["train"] & ids["traces"] and not ids["train"] & ids["validation"]
+    models = load_model_set(tmp_path / "assets")
+    assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
+    chat = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    ar = models.target.chat(chat, 12)
+    for policy in ("ddtree", "taps"):
+        extra = {"scorer": models.greedy_scorer} if policy == "taps" else {}
+        assert SpeculativeDecoder(models.target, models.drafter, policy, 4, **extra).generate(chat, 12).tokens \
+            == ar.tokens
+    # A rerun skips every finished stage.
+    capsys.readouterr()
+    assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 8 and "running" not in out  # 4 prompt splits, drafter, traces, 2 scorers
+
+
+def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
+    assert set_recipe.main(["--set", "nosuchset"]) == 2
+    assert "no set 'nosuchset'" in capsys.readouterr().err
+    assert set_recipe.main(["--set", str(tiny_set(tmp_path)), "--stages", "target"]) == 2
+    assert "unknown stage 'target'" in capsys.readouterr().err

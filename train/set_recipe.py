@@ -1,0 +1,238 @@
+"""One command builds a model set (drafter + TAPS scorers) for a target that exists already.
+
+    python -m train.set_recipe --set smollm2 --work runs/smollm2 [--stages drafter,traces] [--dry-run]
+
+The set is described by configs/sets/<name>.json (or a JSON path): its target
+(a shipped set whose target.json points at a model file, or a checkpoint
+path), the drafter preset, the instruction prompts and the trace, scorer and
+report settings. Stages, in order; each is skipped when its output exists and
+resumes from its own checkpoints when interrupted (rerun the same command):
+
+  prompts   train.instructions prompts, rendered by the      -> WORK/prompts_{train,validation,traces,heldout}.jsonl
+            target's chat template
+  drafter   DFlash distillation on the target's own answers   -> WORK/distill/export/
+            (configs/train/drafter_<preset>.json)
+  traces    TAPS traces on the traces split (refused if it    -> WORK/traces/
+            overlaps the distillation prompts)
+  scorer    TAPS scorers: temperature-1 and greedy labels     -> WORK/scorer_train/, WORK/scorer_greedy_train/
+  assemble  drafter + scorers in bfloat16 beside the target   -> ASSETS/ (taps_jax/assets/<assets>)
+  report    taps-bench on the set at T=0 and T=1              -> ASSETS/report.json, report.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from taps_jax import compile_cache
+from taps_jax.config import CONFIGS_DIR
+from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
+
+from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
+
+STAGES = ("prompts", "drafter", "traces", "scorer", "assemble", "report")
+SPLITS = ("train", "validation", "traces", "heldout")
+SET_DIR = CONFIGS_DIR / "sets"
+
+
+@dataclasses.dataclass(frozen=True)
+class SetSpec:
+    """configs/sets/<name>.json: what the set is built from and with."""
+
+    target: str  # a shipped set name (its target.json) or a checkpoint path (HF dir or GGUF)
+    assets: str  # the set's directory under taps_jax/assets/, or a path
+    drafter_preset: str
+    prompts: dict  # {"seed", "max_prompt_tokens", "counts": {split: n}}
+    traces: dict  # TracesRun/TraceConfig settings: max_new_tokens, budget, batch_size
+    scorer: dict  # {"steps": n | null}
+    report: dict  # {"prompts", "num_prompts", "budgets", "max_new_tokens"}
+    comment: str = ""
+
+    @classmethod
+    def read(cls, name_or_path: str) -> "SetSpec":
+        path = Path(name_or_path)
+        if not (path.suffix or len(path.parts) > 1):
+            path = SET_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            known = sorted(p.stem for p in SET_DIR.glob("*.json"))
+            raise ValueError(f"no set {name_or_path!r}: {path} does not exist; known: {', '.join(known)} "
+                             f"(or give the path of a JSON file)")
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**raw)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: not a set description ({e}); see configs/sets/smollm2.json") from None
+
+    def target_path(self) -> Path:
+        if self.target in NAMED_SETS and not Path(self.target).exists():
+            path = target_of(ASSETS / self.target)
+            if path is None:
+                raise ValueError(f"the shipped set {self.target!r} has no target")
+            return path
+        return Path(self.target)
+
+    def assets_dir(self) -> Path:
+        return ASSETS / self.assets if len(Path(self.assets).parts) == 1 else Path(self.assets)
+
+
+def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
+    """The typed run configs of the training stages (DistillRun, TracesRun, ScorerRun)."""
+    from train import distill, scorer, traces
+
+    target = spec.target_path()
+    drafter_dir = work / "distill" / "export"
+    if name == "drafter":
+        return [distill.DistillRun(target=target, out=work / "distill", settings=distill.load_preset(spec.drafter_preset),
+                                   prompts=work / "prompts_train.jsonl", val_prompts=work / "prompts_validation.jsonl",
+                                   preset=spec.drafter_preset, resume=True)]
+    if name == "traces":
+        t = spec.traces
+        trace = traces.TraceConfig(max_new_tokens=t.get("max_new_tokens", 128), budget=t.get("budget", 32))
+        return [traces.TracesRun(target=target, drafter=drafter_dir, prompts=work / "prompts_traces.jsonl",
+                                 out=work / "traces", distill_prompts=(work / "prompts_train.jsonl",), trace=trace,
+                                 batch_size=t.get("batch_size", 8))]
+    if name == "scorer":
+        steps = {"steps": spec.scorer["steps"]} if spec.scorer.get("steps") else {}
+        return [scorer.ScorerRun(traces=work / "traces", target=target, out=work / out, resume=True,
+                                 train=scorer.ScorerTrainConfig(labels=labels, residual=True, **steps))
+                for out, labels in SCORERS]
+    return []
+
+
+def run_stage(name: str, spec: SetSpec, work: Path) -> None:
+    assets = spec.assets_dir()
+    if name == "prompts":
+        todo = [split for split in SPLITS if not _done(work / f"prompts_{split}.jsonl", f"prompts ({split})")]
+        if todo:  # what `python -m train.instructions --split S --count N --seed S --chat-target T` writes
+            from taps_jax.api import load_target
+            from train import instructions
+
+            p, pool, target = spec.prompts, instructions.candidates(), load_target(spec.target_path())
+            for split in todo:
+                drawn = instructions.draw(pool, split, p["counts"][split], p["seed"])
+                records, dropped = instructions.render_prompts(drawn, target, p["max_prompt_tokens"])
+                instructions.write_records(work / f"prompts_{split}.jsonl", records)
+                print(f"[recipe] prompts ({split}): {len(records)} ({dropped} longer than "
+                      f"{p['max_prompt_tokens']} tokens dropped)", flush=True)
+    elif name == "drafter":
+        if not _done(work / "distill" / "export" / "config.json", name):
+            from train import distill
+
+            config, = stage_configs(name, spec, work)
+            _run(distill, config, name)
+    elif name == "traces":
+        if not _done(work / "traces" / "DONE", name):
+            from train import traces
+
+            config, = stage_configs(name, spec, work)
+            _run(traces, config, name)
+            (work / "traces" / "DONE").write_text("complete\n")
+    elif name == "scorer":
+        from train import scorer
+
+        for config, (out, labels) in zip(stage_configs(name, spec, work), SCORERS):
+            if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
+                _run(scorer, config, name)
+    elif name == "assemble":
+        assemble(spec, work, assets)
+    elif name == "report":
+        report(spec, work, assets)
+
+
+def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
+    """The set in the package in compact form: the target's pointer, drafter and scorers in bfloat16."""
+    from taps_jax import load_scorer
+    from taps_jax.decoder import load_drafter
+
+    tmp = assets.with_name(assets.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    target = spec.target_path()
+    shipped = ASSETS / spec.target / POINTER
+    if shipped.is_file():  # a model file of another package: keep the pointer (name, sha256, install line)
+        shutil.copy(shipped, tmp / POINTER)
+    else:
+        (tmp / POINTER).write_text(json.dumps({"path": str(target.resolve()), "sha256": file_sha256(target)}
+                                              if target.is_file() else {"path": str(target.resolve())}, indent=2))
+    load_drafter(work / "distill" / "export", dtype="bfloat16").save(tmp / "drafter")
+    for out, _ in SCORERS:
+        scorer_dir = work / out / "scorer"
+        if (scorer_dir / "config.json").exists():
+            load_scorer(scorer_dir).save(tmp / out.removesuffix("_train"))
+    shutil.copy(work / "prompts_heldout.jsonl", tmp / "prompts_heldout.jsonl")
+    for name in ("report.json", "report.png", "report_t1.png"):  # the last report stays until the next one
+        if (assets / name).is_file():
+            shutil.copy(assets / name, tmp / name)
+    shutil.rmtree(assets, ignore_errors=True)
+    tmp.rename(assets)  # never leave a half-written set in the package
+    size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())
+    print(f"[recipe] assembled {assets} ({size / 2**20:.1f} MiB)", flush=True)
+
+
+def report(spec: SetSpec, work: Path, assets: Path) -> None:
+    """taps-bench on the assembled set at T=0 and T=1 (chat prompts): ASSETS/report.json and the plots."""
+    from decode import bench
+
+    r = spec.report
+    runs = {}
+    for key, temperature, png in (("greedy", 0.0, "report.png"), ("sampled", 1.0, "report_t1.png")):
+        out, plot = work / f"report_{key}.json", work / f"report_{key}.png"
+        if not _done(out, f"report ({key})"):
+            code = bench.main(["--model", str(assets), "--prompts", str(r["prompts"]), "--chat",
+                               "--policies", "ar,chain,ddtree,taps", "--budgets", str(r["budgets"]),
+                               "--num-prompts", str(r["num_prompts"]), "--max-new-tokens", str(r["max_new_tokens"]),
+                               "--temperature", str(temperature), "--json", str(out), "--plot", str(plot),
+                               *(["--no-stages"] if temperature else [])])
+            if code:
+                raise SystemExit(f"[recipe] stage report failed with exit status {code}")
+        runs[key] = json.loads(out.read_text())
+        shutil.copy(plot, assets / png)
+    (assets / "report.json").write_text(json.dumps(runs, indent=2))
+    print(f"[recipe] report: {assets / 'report.json'}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.set_recipe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", default="smollm2", help="configs/sets/NAME.json (or a JSON path) (default smollm2)")
+    p.add_argument("--work", type=Path, default=None, help="working dir for all stages (default runs/<set>)")
+    p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
+    p.add_argument("--dry-run", action="store_true", help="print each stage's run config, run nothing")
+    compile_cache.add_flag(p)
+    args = p.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    try:
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}")
+        spec = SetSpec.read(args.set)
+        work = args.work or Path("runs") / Path(args.set).stem
+        if args.dry_run:
+            for name in stages:
+                configs = stage_configs(name, spec, work)
+                for config in configs:
+                    print(f"[recipe] {name}: run({config})")
+                if not configs:
+                    print(f"[recipe] {name}: (see the module docstring)")
+            return 0
+        from decode.common import check_output_path
+
+        for out in (work, spec.assets_dir()):
+            check_output_path(out, directory=True)  # before any stage runs
+        spec.target_path()  # the target is installed and intact
+        compile_cache.setup(args)
+    except ValueError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    work.mkdir(parents=True, exist_ok=True)
+    for name in STAGES:
+        if name in stages:
+            run_stage(name, spec, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
