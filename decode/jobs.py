@@ -658,8 +658,8 @@ def decode_job(decoder, job: Job, *, batch_size: int = 8, progress: bool = True)
         sizes = ", ".join("x".join(map(str, shape)) for shape in shapes)
         tqdm.write(f"wrote {summary['written']} prompts to {out_path} ({skipped} were already done): "
                    f"{summary['written'] / elapsed:.2f} prompts/s, {tokens / elapsed:,.1f} tokens/s, "
-                   f"tau {summary['tau']:.2f}; {len(programs)} decode programs (batch x prompt buffer x cache "
-                   f"slots: {sizes})", file=sys.stderr)
+                   f"tau {summary['tau']:.2f}; {len(programs)} decode program{'s' if len(programs) != 1 else ''} "
+                   f"(batch x prompt buffer x cache slots: {sizes})", file=sys.stderr)
     return summary
 
 
