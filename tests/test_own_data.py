@@ -158,7 +158,7 @@ def test_data_and_preset_refusals(hf_target, tmp_path, capsys):
     base = ["--target", str(hf_target), "--out", str(tmp_path / "o")]
     assert "--prompts FILE.jsonl" in _refusal(capsys, base)  # no data given
     err = _refusal(capsys, base + ["--prompts", str(prompts), "--preset", "nope"])
-    assert "no drafter preset 'nope'; known: default, tiny" in err
+    assert "no drafter preset 'nope'; known: default, smollm2, tiny" in err
     err = _refusal(capsys, base + ["--prompts", str(prompts), "--val-prompts", str(prompts)])
     assert "also in --prompts" in err
     bad = tmp_path / "bad.jsonl"
