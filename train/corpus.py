@@ -4,17 +4,7 @@ The embedded default model set (target, drafter, scorer) is trained on Python
 source that every machine already has, so no download is needed and the data
 is identical wherever the same Python version runs.
 
-Split: BY FILE, from sha1 of the posix relative path (stable across machines
-and across runs, independent of file order or contents):
-
-    bucket = int(sha1(rel_path)[:8 bytes]) % 10_000
-    bucket <  200  -> "validation"  (~2% of files)
-    bucket <  400  -> "heldout"     (~2% of files; prompts for decode benchmarks)
-    otherwise      -> "train"       (~96% of files)
-
-Splitting by file (not by line or window) means no training window ever
-contains text from a heldout file. Near-duplicates across files
-(e.g. `lib2to3/tests/data/*` vs `lib2to3/*`) can still cross splits.
+Split: by file, from sha1 of the relative path (`taps_jax/corpus.py` says how).
 
 Another tree of Python code can stand in for the stdlib: pass `--corpus DIR`
 to `python -m train.target / train.distill / train.traces / train.recipe`
