@@ -181,7 +181,7 @@ def generation(args) -> int:
         with torch.no_grad():
             out = theirs.generate(torch.tensor([prompt_ids]), max_new_tokens=N, do_sample=False, eos_token_id=eos,
                                   pad_token_id=eos[0] if eos else 0, **kw)
-        return [t for t in out[0, len(prompt_ids):].tolist()]
+        return out[0, len(prompt_ids):].tolist()
 
     sides = {f"ours {p}": (lambda x, d=d: d.generate([x], N).tokens[0]) for p, d in decoders.items()}
     sides["hf greedy"] = hf

@@ -99,15 +99,10 @@ def is_conversation(prompt) -> bool:
 def hf_chat_template(path: Path) -> tuple[str | None, dict[str, str]]:
     """(template source, special tokens) of a Hugging Face model dir: chat_template.jinja or
     tokenizer_config.json's `chat_template` (a string, or a list of named templates: "default")."""
+    from taps_jax.checkpoints.hf import read_json  # the checkpoint dirs' one JSON reader
+
     config_file = path / "tokenizer_config.json"
-    raw = {}
-    if config_file.is_file():
-        try:
-            raw = json.loads(config_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{config_file}: cannot read JSON ({e}); fix or re-export the file") from e
-        if not isinstance(raw, dict):
-            raise ValueError(f"{config_file}: must hold a JSON object")
+    raw = read_json(config_file) if config_file.is_file() else {}
     special = {}
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         value = raw.get(name)
