@@ -17,14 +17,23 @@ import sys
 import time
 from pathlib import Path
 
-from decode.common import (Parser, add_mesh_args, add_model_args, load_models, model_part_dirs, positive_int, run,
-                           setup_mesh)
-from taps_jax import compile_cache, sharding
-from taps_jax.checkpoints.scorer import check_scorer_dir_for_target
-from taps_jax.decoder import POLICIES, SpeculativeDecoder
-from taps_jax.calls import STREAM_CHUNK
-from taps_jax.engine.prefill import PREFILL_CHUNK
-from taps_jax.prompt_file import check_text
+# flax asks IPython at import whether it runs in a notebook (0.35 s to import IPython): outside one the answer is
+# no either way, so IPython stays unimported while the models' libraries load (and importable after).
+_NO_IPYTHON = "IPython" not in sys.modules
+if _NO_IPYTHON:
+    sys.modules["IPython"] = None
+try:
+    from decode.common import (Parser, add_mesh_args, add_model_args, load_models, model_part_dirs, positive_int, run,
+                               setup_mesh)
+    from taps_jax import compile_cache, sharding
+    from taps_jax.checkpoints.scorer import check_scorer_dir_for_target
+    from taps_jax.decoder import POLICIES, SpeculativeDecoder
+    from taps_jax.calls import STREAM_CHUNK
+    from taps_jax.engine.prefill import PREFILL_CHUNK
+    from taps_jax.prompt_file import check_text
+finally:
+    if _NO_IPYTHON and sys.modules.get("IPython", 0) is None:
+        del sys.modules["IPython"]
 
 
 def shard_arg(text: str):
@@ -276,7 +285,56 @@ class TextDeltas:
 
 
 def entry() -> None:
-    run(main, "taps-decode")
+    outermost = _called_by_the_script()
+    try:
+        run(main, "taps-decode")
+    except SystemExit as done:
+        if outermost:
+            exit_now(done.code)
+        raise
+
+
+def _called_by_the_script() -> bool:
+    """Whether entry()'s caller is the program itself (the taps-decode script, or python -m decode.cli), with
+    nothing above it that runs after entry() returns (a profiler, coverage, a test) and no tracer."""
+    frame = sys._getframe(2).f_back  # above the caller of entry()
+    while frame is not None and frame.f_code.co_filename.endswith("runpy.py"):
+        frame = frame.f_back
+    return frame is None and sys.gettrace() is None and sys.getprofile() is None
+
+
+def exit_now(code) -> None:
+    """Exit at once with `code`, skipping the interpreter's teardown and JAX's (1 s of freeing programs, backends
+    and modules that the OS frees anyway), after all that exit does for the outside world: stdout and stderr
+    flushed, the other atexit handlers run (logging, file locks, finalizers such as temporary directories).
+    Returns, for a normal exit, after a decoding job (minutes long: nothing to gain, its files stay Python's to
+    close), in a jax.distributed run (JAX's exit shuts it down), while another thread runs, or when the code is
+    not a number."""
+    import atexit
+    import os
+    import threading
+
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if others or (code is not None and not isinstance(code, int)) or "decode.jobs" in sys.modules:
+        return
+    if "jax" in sys.modules:
+        from jax._src import api, distributed
+
+        if getattr(distributed.global_state, "client", True) is not None:
+            return
+        atexit.unregister(api.clean_up)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        return  # the normal exit reports it
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        os._exit(120)  # what Python exits with when its final flush fails
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

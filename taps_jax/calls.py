@@ -18,19 +18,28 @@ measured apart and the prompt is decoded once.
 
 Compiled programs are cached on disk across processes (`taps_jax.compile_cache`,
 turned on by the first compile unless opted out), and a program that is not
-there yet is announced on stderr before it compiles.
+there yet is announced on stderr before it compiles. `compile()` also keeps
+each lowered program under `lowered_key` (everything that shapes it), so a
+later process compiles it (from JAX's cache) without tracing it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import inspect
 import json
+import os
+import platform
+import re
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
+import numpy
 
 from taps_jax import compile_cache, sharding
 from taps_jax.engine.prefill import RUNNING
@@ -99,6 +108,86 @@ def program_key(program: tuple, args: tuple, kwargs: dict) -> str:
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
 
 
+def _stable_repr(value) -> str:
+    # A GraphDef names the functions it holds with their addresses ("<function dot_general at 0x7f..>"); their
+    # code is covered by the versions and the source digest in the key.
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+
+
+def _plain(value) -> str:
+    """A static argument spelled out field by field (a repr may elide, as numpy's does, or leave fields out);
+    TypeError when it is not plain data (then nothing is kept)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, numpy.generic)):
+        return repr(value)  # a float's repr round-trips
+    if isinstance(value, StaticGraph):
+        return _stable_repr(value)
+    if isinstance(value, numpy.dtype):
+        return f"dtype({value.str})"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"{kind}({', '.join(f'{f.name}={_plain(getattr(value, f.name))}' for f in dataclasses.fields(value))})"
+    if isinstance(value, (tuple, list)):
+        return f"{kind}[{', '.join(map(_plain, value))}]"
+    if isinstance(value, frozenset):
+        return f"{kind}{{{', '.join(sorted(map(_plain, value)))}}}"
+    if isinstance(value, dict):
+        return f"{kind}{{{', '.join(sorted(f'{_plain(k)}: {_plain(v)}' for k, v in value.items()))}}}"
+    raise TypeError(f"not plain data: {kind}")
+
+
+def _leaf(x):
+    """What a compiled program depends on of an argument leaf: its aval and placement, never its value."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        placement = getattr(x, "sharding", None)
+        devices = sorted(d.id for d in placement.device_set) if placement is not None else None
+        return [type(x).__name__, list(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)),
+                repr(placement), devices]  # a sharding's repr names its mesh's shape, not which devices
+    return [type(x).__name__, repr(jax.typeof(x))]  # a Python scalar: a weakly typed scalar argument
+
+
+def _cpu_model() -> str:
+    # JAX lowers some operations per CPU feature set: keep another CPU sharing the cache dir out.
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    features = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86, Arm
+    return "\n".join(sorted({line for line in lines if line.startswith(features)}))
+
+
+def lowered_key(fn, static: tuple[str, ...], args: tuple, kwargs: dict, mesh) -> str | None:
+    """A digest of everything that shapes `fn(*args, **kwargs)`'s lowered program (None: none worth keeping):
+    the function, every static argument, each dynamic leaf's path, aval and placement, the mesh and devices,
+    Python's, JAX's, jaxlib's, flax's and numpy's versions, JAX's settings, XLA's flags, the CPU, and the
+    taps_jax source (`compile_cache.source_digest`)."""
+    import flax
+    import jaxlib
+
+    module, name = getattr(fn, "__module__", None) or "", getattr(fn, "__qualname__", "")
+    inner = getattr(fn, "__wrapped__", None)
+    if (jax.process_count() != 1 or not module.startswith("taps_jax.") or inner is None or inner.__closure__
+            or getattr(sys.modules.get(module), name, None) is not fn):
+        return None  # only taps_jax's module-level programs: name and source digest cover all they close over
+    bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    try:
+        statics = {k: _plain(v) for k, v in bound.items() if k in static}
+    except TypeError:
+        return None
+    dynamic = {k: v for k, v in bound.items() if k not in static}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    devices = [(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]
+    settings = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "LIBTPU")))
+    facts = [f"{module}.{name}", statics, _stable_repr(treedef),
+             [[jax.tree_util.keystr(path), *_leaf(x)] for path, x in leaves], repr(mesh),
+             [d.id for d in mesh.devices.flat] if mesh is not None else None, devices,
+             sys.version, jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__, settings, env,
+             _cpu_model(), compile_cache.source_digest()]
+    return hashlib.sha256(json.dumps(facts, default=repr).encode()).hexdigest()[:32]
+
+
 def describe(config, shape) -> str:
     """'the adaptive decoder for batch 8, prompts up to 32 tokens, 256 cache slots': what a compile notice names
     (shape: the padded prompt buffer's, [batch, prompt bucket])."""
@@ -141,14 +230,31 @@ class GenerateCall:
         begin = time.perf_counter()
         with self._compiling(stream), sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
             if stream:
-                state = p.start.eval_shape(*self.args, **self.kwargs)
+                self._compiled["start"] = self._ahead_of_time(p.start, self.args)
+                state = self._compiled["start"].out_info  # the state's avals, without tracing start again
                 limit = 0  # a traced int32 scalar: any value compiles the same program
-                self._compiled["start"] = p.start.lower(*self.args, **self.kwargs).compile()
-                self._compiled["advance"] = p.advance.lower(*self._model_args, state, limit, **self.kwargs).compile()
+                self._compiled["advance"] = self._ahead_of_time(p.advance, (*self._model_args, state, limit))
             else:
-                self._compiled["generate"] = p.generate.lower(*self.args, **self.kwargs).compile()
+                self._compiled["generate"] = self._ahead_of_time(p.generate, self.args)
         self.compile_s = time.perf_counter() - begin
         return self.compile_s
+
+    def _ahead_of_time(self, fn, args: tuple):
+        """`fn.lower(*args, **kwargs).compile()`, the lowering kept by an earlier process when there is one (no
+        tracing; the same program, so JAX's cache has its executable)."""
+        pos, kw = _dynamic(fn, self.programs.static, args, self.kwargs)
+        key = lowered_key(fn, self.programs.static, args, self.kwargs, self.mesh)
+        lowered = compile_cache.load_lowered(key, jax.tree_util.tree_structure((pos, kw))) if key else None
+        if lowered is not None:
+            try:
+                return lowered.compile()
+            except Exception:  # a kept lowering that does not compile here: the traced one decides (or raises)
+                pass
+        lowered = fn.lower(*args, **self.kwargs)
+        compiled = lowered.compile()
+        if key:
+            compile_cache.store_lowered(key, lowered)
+        return compiled
 
     def _call(self, name: str, *args):
         fn = getattr(self.programs, name)

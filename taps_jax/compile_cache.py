@@ -24,15 +24,30 @@ calibration): unless the program is known to be in the cache, it first
 prints one line on stderr, "compiling WHAT (about N s the first time; cached
 for later runs)", N being what the last compile of that kind took here
 (`compile_times.json` in the cache dir, written by the same wrapper).
+
+Lowered programs (`lowered/` in the cache dir): JAX's cache saves the XLA
+compile, but JAX must still trace and lower a program to find its entry (3 to
+4 s for the adaptive decoder). `store_lowered` / `load_lowered` keep a
+`jax.stages.Lowered` (its StableHLO module and what JAX compiles it with)
+under a key that the caller derives from everything that shapes the program
+(`taps_jax.calls.lowered_key`: the function, its static arguments, the
+inputs' paths, shapes, dtypes and placement, the devices, the versions, the
+JAX and XLA settings, the CPU and `source_digest()`, a hash of taps_jax's
+code), so a warm run compiles the very module the traced run compiled (JAX's
+cache has its executable) without tracing. An entry that does not verify or
+load is ignored: the program is traced as without it, and stored again.
+Same switch as JAX's cache, and the same trust (an entry is unpickled).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -40,12 +55,15 @@ import jax
 
 ENV = "TAPS_JAX_COMPILE_CACHE"
 TIMES_FILE = "compile_times.json"
+LOWERED = "lowered"  # lowered programs: `store_lowered`
+_MAGIC = b"taps-jax lowered 1\n"  # then the payload's sha256 (32 bytes), then the zlib-compressed payload
 JAX_MIN_COMPILE_S = 1.0  # JAX's default threshold: programs compiled faster than this are not cached
 
 _on: bool | None = None  # None: not decided yet (the first ensure() reads the environment)
 _ours: str | None = None  # the directory this module gave JAX (None: off, or the user's own)
 _compiled: set = set()  # program ids compiled (or loaded) in this process
 _times: dict | None = None  # compile_times.json, read once
+_source: str | None = None  # source_digest() of the installed package, computed once
 
 
 def cache_dir() -> Path:
@@ -211,3 +229,103 @@ def mark_compiled(program, key: str, kind: str, seconds: float) -> None:
 def _cache_has_entries() -> bool:
     folder = Path(jax.config.jax_compilation_cache_dir)
     return folder.is_dir() and any(folder.iterdir())
+
+
+# --------------------------------------------------------------------------- lowered programs
+
+
+def source_digest(root: Path | None = None) -> str:
+    """sha256 of taps_jax's Python files (paths and bytes): any code change gives new `lowered/` keys."""
+    global _source
+    if root is None and _source is not None:
+        return _source
+    base = Path(root) if root is not None else Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(base.rglob("*.py")):
+        digest.update(path.relative_to(base).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    if root is not None:
+        return digest.hexdigest()
+    _source = digest.hexdigest()
+    return _source
+
+
+def _lowered_path(key: str) -> Path:
+    return cache_dir() / LOWERED / f"{key}.bin"
+
+
+def _picklers():
+    """(Pickler, Unpickler) for a `jax.stages.Lowered`: `jax.experimental.serialize_executable`'s (devices and
+    the client by reference), plus the MLIR module as bytecode."""
+    from jax._src.interpreters import mlir
+    from jax.experimental import serialize_executable
+
+    class Pickler(serialize_executable._JaxPjrtPickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, mlir.ir.Module):
+                return ("module", mlir.module_to_bytecode(obj))
+            return super().persistent_id(obj)
+
+    class Unpickler(serialize_executable._JaxPjrtUnpickler):
+        def persistent_load(self, pid):
+            if pid[0] == "module":
+                with mlir.make_ir_context():
+                    return mlir.ir.Module.parse(pid[1])
+            return super().persistent_load(pid)
+
+    return Pickler, Unpickler
+
+
+def load_lowered(key: str, in_tree):
+    """The lowered program stored under `key` (a `jax.stages.Lowered` taking arguments of structure `in_tree`;
+    its `.compile()` loads the executable from JAX's cache), or None: cache off, no entry, or an entry that does
+    not verify or load (then the caller traces)."""
+    if not enabled() or jax.process_count() != 1:
+        return None
+    try:
+        blob = _lowered_path(key).read_bytes()
+    except OSError:
+        return None
+    head, digest, body = blob[:len(_MAGIC)], blob[len(_MAGIC):len(_MAGIC) + 32], blob[len(_MAGIC) + 32:]
+    if head != _MAGIC or hashlib.sha256(body).digest() != digest:
+        return None  # truncated or damaged: never handed to the unpickler
+    try:
+        import io
+
+        from jax._src import stages
+
+        lowering, args_info, out_tree, no_kwargs = _picklers()[1](io.BytesIO(zlib.decompress(body)),
+                                                                  jax.devices()[0].client).load()
+        if jax.tree_util.tree_structure(args_info) != in_tree:
+            return None
+        lowered = stages.Lowered(lowering, args_info, out_tree, no_kwargs=no_kwargs)
+    except Exception:  # written by another JAX or for other devices despite the key: trace instead
+        return None
+    jax.monitoring.record_event("/taps_jax/lowered_loaded")
+    return lowered
+
+
+def store_lowered(key: str, lowered) -> None:
+    """Keep `lowered` (a `jax.stages.Lowered`) under `key` for the next process; quietly nothing when it cannot
+    be kept (host callbacks, cache off, a directory that is not writable): the next process traces as before."""
+    if not enabled() or jax.process_count() != 1 or jax.process_index() != 0:
+        return
+    path = _lowered_path(key)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        import copy
+        import io
+
+        lowering = copy.copy(lowered._lowering)
+        args = lowering.compile_args
+        if args.get("host_callbacks") or args.get("keepalive") or args.get("pgle_profiler") or lowering.const_args:
+            return  # Python objects a program calls back into, or constants: not data we can keep
+        lowering._executable = None  # the compiled executable stays in JAX's cache
+        with io.BytesIO() as file:
+            _picklers()[0](file).dump((lowering, lowered.args_info, lowered.out_tree, lowered._no_kwargs))
+            body = zlib.compress(file.getvalue(), 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(_MAGIC + hashlib.sha256(body).digest() + body)
+        tmp.replace(path)  # atomic: a reader sees the whole entry or none
+    except Exception:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
