@@ -232,8 +232,8 @@ def main(argv=None) -> int:
 
 def _decoder(models, policy, budget, temperature, prefill_chunk=PREFILL_CHUNK):
     # adaptive: TAPS trees when the set has a scorer for this temperature, DDTree trees otherwise.
-    extra = {"scorer": models.scorer_for(temperature)} if policy in ("taps", "adaptive") else {}
-    return SpeculativeDecoder(models.target, models.drafter, policy, budget, prefill_chunk=prefill_chunk, **extra)
+    return SpeculativeDecoder(models.target, models.drafter, policy, budget, prefill_chunk=prefill_chunk,
+                              **models.options(policy, temperature))
 
 
 def _long_prompt_main(args, models, decoders) -> int:

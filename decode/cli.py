@@ -150,7 +150,7 @@ def build_decoder(args, mesh) -> SpeculativeDecoder:
                          "(train one with python -m train.scorer), or use --policy ddtree")
     if args.policy != "ar" and models.drafter is None:
         raise ValueError(models.missing_drafter())
-    extra = {"scorer": scorer} if args.policy in ("taps", "adaptive") else {}
+    extra = models.options(args.policy, args.temperature)
     if args.adaptive_costs is not None:
         extra["costs"] = args.adaptive_costs
     return SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,

@@ -123,8 +123,7 @@ def main(argv=None) -> int:
     decoders = {"ar": SpeculativeDecoder(models.target, None, "ar")}
     for p in args.policies:
         if p != "ar":
-            extra = {"scorer": scorer} if p == "taps" else {}
-            decoders[p] = SpeculativeDecoder(models.target, models.drafter, p, args.budget, **extra)
+            decoders[p] = SpeculativeDecoder(models.target, models.drafter, p, args.budget, **models.options(p, 0.0))
 
     results = {name: decode_all(dec, prompts, args.max_new_tokens, name) for name, dec in decoders.items()}
     ar_tokens = results["ar"]["tokens"]

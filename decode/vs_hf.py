@@ -172,7 +172,7 @@ def generation(args) -> int:
     N, eos = args.max_new_tokens, list(target.eos_ids) or None
     decoders = {}
     for policy in args.policies:
-        extra = {"scorer": models.scorer_for(0.0)} if policy in ("taps", "adaptive") else {}
+        extra = models.options(policy, 0.0)
         if policy == "taps" and extra["scorer"] is None:
             raise ValueError("--policies taps needs a scorer in the model set")
         decoders[policy] = SpeculativeDecoder(target, models.drafter, policy, args.budget, **extra)

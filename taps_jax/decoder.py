@@ -16,7 +16,7 @@ from taps_jax.calls import STREAM_CHUNK, GenerateCall, Programs
 from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
-from taps_jax.engine.adaptive import AdaptiveConfig
+from taps_jax.engine.adaptive import TABLE_FILE, AdaptiveConfig, AdaptiveTable
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import check_call, check_lengths, pad_batch
 from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING
@@ -106,8 +106,12 @@ class SpeculativeDecoder:
     `adaptive_budgets(budget)` order (any unit, e.g. ms). Default: measured
     once per device kind and shape and cached on disk
     (`taps_jax.engine.calibrate`). adaptive: an `AdaptiveConfig` to use
-    instead of `AdaptiveConfig.for_budget(budget)` (other budgets, EWMA
-    weight, probing share, or the `force_cycle` test hook).
+    instead of `AdaptiveConfig.for_budget(budget)` (other budgets, decay,
+    probing share, signal buckets, or the `force_cycle` test hook). table
+    (adaptive): an `AdaptiveTable` of accepted lengths per text signal and
+    budget fitted on traces (a model set's adaptive.json, `ModelSet.table`),
+    the first call's prior; without one the first round probes the largest
+    tree.
 
     mesh: run on a ("data", "model") device mesh (`taps_jax.sharding.make_mesh`):
     target and drafter params are sharded by the logical-axis rules, the
@@ -126,7 +130,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "adaptive", budget: int = 32,
                  lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None,
-                 mesh=None, prefill_chunk: int = PREFILL_CHUNK, costs=None, adaptive: AdaptiveConfig | None = None):
+                 mesh=None, prefill_chunk: int = PREFILL_CHUNK, costs=None, adaptive: AdaptiveConfig | None = None,
+                 table: AdaptiveTable | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if not isinstance(target, Target):
@@ -153,14 +158,17 @@ class SpeculativeDecoder:
             adaptive.validate()
             if costs is not None:
                 costs = check_costs(costs, len(adaptive.budgets))
-        elif costs is not None or adaptive is not None:
-            raise ValueError(f"costs and adaptive are for policy 'adaptive', not {policy!r}")
+            if table is not None and not isinstance(table, AdaptiveTable):
+                raise ValueError(f"table must be an AdaptiveTable (AdaptiveTable.load(path)), got {type(table).__name__}")
+        elif costs is not None or adaptive is not None or table is not None:
+            raise ValueError(f"costs, adaptive and table are for policy 'adaptive', not {policy!r}")
         self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
-        # Each call's final per-branch estimates start the next call with the same sampling settings and costs.
+        self.table = table if policy == "adaptive" else None
+        # Each call's final statistics start the next call with the same sampling settings and costs; the
+        # first call starts from the fitted table (a model set's adaptive.json) when there is one.
         self._priors = {}
         self._measured, self._device_costs = {}, {}  # costs per call shape; costs placed on device
         self._no_force, self._no_limit = (jnp.int32(-1), jnp.int32(2**30)) if self.adaptive else (None, None)
-        self._no_prior = np.full((len(adaptive.budgets),), np.nan, np.float32) if self.adaptive else None
         if policy == "taps" or (policy == "adaptive" and scorer is not None):
             if scorer is None:
                 raise ValueError(
@@ -251,13 +259,20 @@ class SpeculativeDecoder:
             # No forced branch, no round limit (a round emits at least one token): device constants, of the
             # same kinds as the calibration passes (`calibrate.measure`), so one program serves both.
             kwargs.update(costs_K=self._device_costs[self.branch_costs], force=self._no_force,
-                          max_rounds=self._no_limit, prior_K=self._priors.get(
-                              (sampling, self.branch_costs), self._no_prior))
+                          max_rounds=self._no_limit, prior=self._prior(sampling))
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
                             ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
         prior_key = (sampling, self.branch_costs) if self.adaptive is not None else None
         return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), prior_key), mesh,
                             estimate)
+
+    def _prior(self, sampling: SamplingConfig) -> np.ndarray:
+        """[2, Q, K] statistics a call starts from: the last call's (same sampling and costs), else the table's."""
+        prior = self._priors.get((sampling, self.branch_costs))
+        if prior is None:
+            prior = self.adaptive.empty_prior() if self.table is None else self.table.prior(self.adaptive,
+                                                                                            sampling.greedy)
+        return prior
 
     def _result(self, outputs, count: int, prior_key=None) -> GenerateResult:
         out, n, finish, rounds, accepted, branch, est = outputs
@@ -272,9 +287,8 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             # One branch per round for the whole batch: the budget each round verified (0 = an AR step).
             stats["budgets"] = [self.adaptive.budgets[k] for k in branch.tolist() if k >= 0]
-            if (finish[:count] != RUNNING).all():  # a finished call's estimates are the next call's prior
-                old = self._priors.get(prior_key, est)
-                self._priors[prior_key] = np.where(np.isnan(est), old, est).astype(np.float32)
+            if (finish[:count] != RUNNING).all():  # a finished call's statistics are the next call's prior
+                self._priors[prior_key] = np.asarray(est, np.float32)
         return self.target._result(out, n, finish, count, stats)
 
     def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
@@ -318,12 +332,29 @@ class ModelSet:
     scorer: ScorerModel | None = None
     greedy_scorer: ScorerModel | None = None
     name: str | None = None  # the set the parts came from (a shipped name or a path), for messages
+    table: AdaptiveTable | None = None  # adaptive.json: the adaptive policy's fitted prior
 
     def missing_drafter(self) -> str:
         """Why a speculative policy cannot run here, and what to do instead."""
         where = f"the {self.name} model set has no drafter/" if self.name else "no drafter was given"
         return (f"speculative policies need a drafter and {where}: pass --drafter DIR (or a --model set with "
                 f"drafter/; train one with python -m train.distill), or use --policy ar")
+
+    def options(self, policy: str, temperature: float = 0.0) -> dict:
+        """The `SpeculativeDecoder` keywords this set gives `policy` at `temperature`: its scorer (taps, adaptive)
+        and its fitted table (adaptive)."""
+        extra = {"scorer": self.scorer_for(temperature)} if policy in ("taps", "adaptive") else {}
+        if policy == "adaptive" and self.table is not None:
+            extra["table"] = self.table
+        return extra
+
+    def decoder(self, policy: str = "adaptive", budget: int = 32, temperature: float = 0.0,
+                **kwargs) -> "SpeculativeDecoder":
+        """A `SpeculativeDecoder` of this set's parts for `policy` (what the CLIs build; kwargs go to it)."""
+        drafter = None if policy == "ar" else self.drafter
+        if policy != "ar" and drafter is None:
+            raise ValueError(self.missing_drafter())
+        return SpeculativeDecoder(self.target, drafter, policy, budget, **self.options(policy, temperature), **kwargs)
 
     def scorer_for(self, temperature: float) -> ScorerModel | None:
         """The scorer fitted to this temperature's acceptance rule (scorer_greedy/ at 0 when present)."""
@@ -358,4 +389,5 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
                     check_scorer_target(scorer, target)
     except ValueError as e:
         raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
-    return ModelSet(target, drafter, *scorers, set_name(path))
+    table = AdaptiveTable.load(path / TABLE_FILE) if drafter is not None and (path / TABLE_FILE).is_file() else None
+    return ModelSet(target, drafter, *scorers, set_name(path), table)

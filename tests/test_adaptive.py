@@ -222,3 +222,109 @@ def test_mixed_batch_repeating_and_random_text_is_lossless(models):
     # The repeating text pays for trees for both (one budget per round for the whole batch).
     budgets = got.stats["budgets"]
     assert budgets[0] == 32 and len(set(budgets)) > 1, budgets
+
+
+# ----------------------------------------------------------------------------- the text signal and fitted tables
+
+
+def _match_reference(text, n, longest):
+    """Longest m <= longest such that text[n-m:n] also ends at some j < n - 1."""
+    best = 0
+    for j in range(n - 1):
+        m = 0
+        while m < longest and j - m >= 0 and text[j - m] == text[n - 1 - m]:
+            m += 1
+        best = max(best, m)
+    return best
+
+
+def test_match_lengths_against_a_reference():
+    from taps_jax.engine.adaptive import match_lengths
+
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, 3, size=(16, 40))
+    text[3, :20] = text[3, 20:]  # a long repeat
+    lengths = rng.integers(0, 41, size=16)
+    lengths[3] = 40
+    got = np.asarray(match_lengths(jnp.asarray(text, jnp.int32), jnp.asarray(lengths, jnp.int32), 8))
+    want = [_match_reference(text[b].tolist(), int(lengths[b]), 8) for b in range(16)]
+    np.testing.assert_array_equal(got, want)
+    assert got[3] == 8
+
+
+def test_signal_reads_the_prompt_and_the_output():
+    """The match may start in the prompt and end in the output; the prompt's padding is not text."""
+    from taps_jax.engine.adaptive import AdaptiveState, signal_buckets
+
+    config = AdaptiveConfig((0, 4), match_buckets=5)
+    prompt = jnp.asarray([[7, 1, 2, 3, 0, 0], [1, 2, 0, 0, 0, 0]], jnp.int32)  # right-padded with 0
+    st = AdaptiveState.init(4, config, prompt, jnp.asarray([4, 2]), None, jnp.ones(2))
+    out = jnp.asarray([[9, 1, 2, 3, 0], [0, 0, 0, 0, 0]], jnp.int32)
+    # Row 0: 7 1 2 3 | 9 1 2 3 -> "1 2 3" repeats (3); row 1: 1 2 | 0 0 -> "0" after "0" (1), padding unseen.
+    np.testing.assert_array_equal(signal_buckets(st, out, jnp.asarray([4, 2]), config), [3, 1])
+    # Row 0: 7 1 2 3 | 9 1 -> "1" (1); row 1: 1 2 | 0 -> nothing earlier (the padding zeros are not text).
+    np.testing.assert_array_equal(signal_buckets(st, out, jnp.asarray([2, 1]), config), [1, 0])
+
+
+@pytest.fixture(scope="module")
+def shipped_table(models):
+    assert models.table is not None, "the default set ships adaptive.json (python -m train.adaptive_table)"
+    return models.table
+
+
+def test_fitted_table_means_grow_with_the_budget(shipped_table):
+    """Trees are nested, so per round (and so per bucket) a larger budget accepts at least as much."""
+    for kind in ("greedy", "sampled"):
+        means = shipped_table.means(kind)[:, 1:]
+        seen = ~np.isnan(means).any(axis=1)
+        assert seen.sum() >= 5, means
+        assert (np.diff(means[seen], axis=1) >= -1e-6).all(), means
+        # Repeated text is where drafts are accepted: the longest-match bucket beats the no-match one.
+        assert means[-1, -1] > means[0, -1] + (1.0 if kind == "greedy" else 0.0), means
+
+
+def test_the_choice_follows_the_text(models, shipped_table):
+    """Costs between what a tree yields on novel text and on repeated text: AR on the first, trees on the second."""
+    tok = models.target.tokenizer
+    repeating = tok.encode("    self.a = a\n    self.b = b\n" * 8 + "    self.a")  # ends mid-repeat
+    novel = np.random.default_rng(1).integers(10, models.target.config.vocab_size, size=40).tolist()
+    config = AdaptiveConfig.for_budget(32)
+    means = shipped_table.means("greedy")[:, [shipped_table.budgets.index(b) for b in config.budgets]]
+    # A tree round costs c AR steps: a little more than any tree yields with no match, far less than the
+    # largest yields after a long one (the table's own figures: 4.6 and 9.4 tokens greedy).
+    c = 1.15 * float(np.nanmax(means[0, 1:]))
+    assert c < means[-1, -1] / 1.5, (means, c)
+    costs = (1.0,) + (c,) * (len(config.budgets) - 1)
+    dec = models.decoder("adaptive", 32, costs=costs)
+    for prompt, trees in ((novel, False), (repeating, True)):
+        want = models.target.generate([prompt], 24)
+        got = dec.generate([prompt], 24)
+        assert got.tokens == want.tokens
+        budgets = got.stats["budgets"]
+        if trees:
+            assert budgets[0] > 0 and np.mean(np.asarray(budgets) > 0) > 0.5, budgets
+        else:
+            assert budgets[:8] == [0] * 8, budgets
+
+
+def test_fit_counts_every_round(models):
+    from train.adaptive_table import fit_kind
+
+    budgets = (0, 2, 8)
+    prompts = [[5, 6, 7, 8], models.target.tokenizer.encode("x = 1\ny = 2\n" * 4)]
+    sums, counts = fit_kind(models, prompts, 16, 0.0, budgets, batch_size=2)
+    assert counts.shape == (9, 3) and (counts[:, 0] == 0).all()
+    assert counts[:, 1].sum() == counts[:, 2].sum() > 0  # every round observes every budget up to the largest
+    assert (sums[:, 2] >= sums[:, 1]).all() and (sums[:, 1] >= counts[:, 1]).all()
+
+
+def test_bad_table_file_is_refused(tmp_path, no_tracing):
+    from taps_jax.engine.adaptive import AdaptiveTable
+
+    bad = tmp_path / "adaptive.json"
+    bad.write_text('{"budgets": [0, 4], "match_buckets": 9, "sums": {"greedy": [[1, 2]]}, "counts": {"greedy": [[1, 2]]}}')
+    with pytest.raises(ValueError, match="adaptive.json: not an adaptive table .*not 9 x 2"):
+        AdaptiveTable.load(bad)
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="refit it with python -m train.adaptive_table"):
+        AdaptiveTable.load(bad)

@@ -169,13 +169,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, help="write a heldout prompt set here (.jsonl)")
     parser.add_argument("--n", type=int, default=200, help="how many heldout prompts")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the prompts")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="a tree of .py files other than the stdlib (e.g. an installed package: code no "
+                             "shipped model was trained on)")
+    parser.add_argument("--split", choices=SPLITS, default="heldout", help="split of the prompts (default heldout)")
     args = parser.parse_args(argv)
+    if args.root is not None:
+        try:
+            prompts = build_prompts(args.split, n=args.n, seed=args.seed, root=args.root)
+        except ValueError as e:
+            raise SystemExit(f"python -m train.corpus: error: {e}") from None
+        write_prompts_jsonl(args.prompts or Path("prompts.jsonl"), prompts)
+        print(f"wrote {len(prompts)} prompts from {args.root} to {args.prompts or 'prompts.jsonl'}")
+        return
 
     print(f"stdlib: {stdlib_root()}")
     for split, s in corpus_stats().items():
         print(f"{split:>10}: {s.files:5d} files {s.bytes / 1e6:8.2f} MB  ({s.skipped} skipped: not UTF-8)")
     if args.prompts:
-        prompts = build_prompts("heldout", n=args.n, seed=args.seed)
+        prompts = build_prompts(args.split, n=args.n, seed=args.seed)
         write_prompts_jsonl(args.prompts, prompts)
         print(f"wrote {len(prompts)} prompts to {args.prompts}")
 

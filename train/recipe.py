@@ -12,6 +12,8 @@ own checkpoints when interrupted (rerun the same command):
   traces     TAPS traces on train-split prompts that the    -> WORK/prompts_traces.jsonl, WORK/traces/
              drafter was NOT distilled on
   scorer     TAPS scorers: temperature-1 and greedy labels -> WORK/scorer_train/, WORK/scorer_greedy_train/
+  adaptive   the adaptive policy's prior on validation-    -> WORK/adaptive.json
+             split prompts (train.adaptive_table)
   assemble   compact copies (bfloat16 weights) + prompts   -> ASSETS/{target,drafter,scorer,scorer_greedy}/
   report     taps-bench at T=0 and T=1 + final losses        -> ASSETS/report.json, report.png, report_t1.png
 
@@ -31,9 +33,10 @@ import sys
 from pathlib import Path
 
 from taps_jax import compile_cache
+from taps_jax.engine.adaptive import TABLE_FILE
 from train import corpus
 
-STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "assemble", "report")
+STAGES = ("tokenizer", "data", "target", "drafter", "traces", "scorer", "adaptive", "assemble", "report")
 # (training dir under WORK, labels): the set's scorer/ serves sampled decoding,
 # scorer_greedy/ greedy decoding (their acceptance rules differ).
 SCORERS = (("scorer_train", "sampled"), ("scorer_greedy_train", "greedy"))
@@ -139,9 +142,18 @@ def run_stage(name: str, args) -> None:
             if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
                 from train import scorer
                 _run(scorer, config, name)
+    elif name == "adaptive":
+        if not _done(work / TABLE_FILE, name):
+            from train import adaptive_table
+
+            prompts = work / "prompts_adaptive.jsonl"  # neither the benchmark's nor the drafter's prompts
+            corpus.write_prompts_jsonl(prompts, corpus.build_prompts("validation", n=64, seed=0))
+            adaptive_table.fit_stage(target_dir, drafter_dir, [work / out / "scorer" for out, _ in SCORERS],
+                                     prompts, work / TABLE_FILE, batch_size=64)
     elif name == "assemble":
         scorers = {out.removesuffix("_train"): work / out / "scorer" for out, _ in SCORERS}
-        assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl")
+        assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl",
+                 work / TABLE_FILE)
     elif name == "report":
         write_report(args.assets, work, args.report_prompts, args.report_budgets, args.report_tokens)
 
@@ -207,7 +219,8 @@ def write_report(assets: Path, work: Path, num_prompts: int, budgets: str = "16,
     print(f"[recipe] report: {assets / 'report.json'}", flush=True)
 
 
-def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dirs: dict[str, Path], prompts: Path) -> None:
+def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dirs: dict[str, Path], prompts: Path,
+             table: Path | None = None) -> None:
     """Copy the set into the package in compact form: bfloat16 weights, float32 at load time."""
     from taps_jax import load_scorer, load_target
     from taps_jax.decoder import load_drafter
@@ -223,6 +236,8 @@ def assemble(assets: Path, target_dir: Path, drafter_dir: Path, scorer_dirs: dic
         if (scorer_dir / "config.json").exists():
             load_scorer(scorer_dir).save(tmp / name)
     shutil.copy(prompts, tmp / "prompts_heldout.jsonl")
+    if table is not None and table.is_file():
+        shutil.copy(table, tmp / table.name)
     shutil.rmtree(assets, ignore_errors=True)
     tmp.rename(assets)  # never leave a half-written set in the package
     size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())

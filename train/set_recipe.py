@@ -15,6 +15,8 @@ resumes from its own checkpoints when interrupted (rerun the same command):
   traces    TAPS traces on the traces split (refused if it    -> WORK/traces/
             overlaps the distillation prompts)
   scorer    TAPS scorers: temperature-1 and greedy labels     -> WORK/scorer_train/, WORK/scorer_greedy_train/
+  adaptive  the adaptive policy's prior: accepted length per  -> WORK/adaptive.json
+            text signal and budget on the traces split (train.adaptive_table)
   assemble  drafter + scorers in bfloat16 beside the target   -> ASSETS/ (taps_jax/assets/<assets>)
   report    taps-bench on the set at T=0 and T=1              -> ASSETS/report.json, report.png
 """
@@ -30,11 +32,12 @@ from pathlib import Path
 
 from taps_jax import compile_cache
 from taps_jax.config import CONFIGS_DIR
+from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
 
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
-STAGES = ("prompts", "drafter", "traces", "scorer", "assemble", "report")
+STAGES = ("prompts", "drafter", "traces", "scorer", "adaptive", "assemble", "report")
 SPLITS = ("train", "validation", "traces", "heldout")
 SET_DIR = CONFIGS_DIR / "sets"
 
@@ -50,6 +53,7 @@ class SetSpec:
     traces: dict  # TracesRun/TraceConfig settings: max_new_tokens, budget, batch_size
     scorer: dict  # {"steps": n | null}
     report: dict  # {"prompts", "num_prompts", "budgets", "max_new_tokens"}
+    adaptive: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
     comment: str = ""
 
     @classmethod
@@ -108,7 +112,6 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
     if name == "prompts":
         todo = [split for split in SPLITS if not _done(work / f"prompts_{split}.jsonl", f"prompts ({split})")]
         if todo:  # what `python -m train.instructions --split S --count N --seed S --chat-target T` writes
-            from taps_jax.api import load_target
             from train import instructions
 
             p, pool, target = spec.prompts, instructions.candidates(), load_target(spec.target_path())
@@ -137,6 +140,13 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         for config, (out, labels) in zip(stage_configs(name, spec, work), SCORERS):
             if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
                 _run(scorer, config, name)
+    elif name == "adaptive":
+        if not _done(work / TABLE_FILE, name):
+            from train import adaptive_table
+
+            adaptive_table.fit_stage(spec.target_path(), work / "distill" / "export",
+                                     [work / out / "scorer" for out, _ in SCORERS], work / "prompts_traces.jsonl",
+                                     work / TABLE_FILE, **spec.adaptive)
     elif name == "assemble":
         assemble(spec, work, assets)
     elif name == "report":
@@ -145,7 +155,6 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
 
 def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
     """The set in the package in compact form: the target's pointer, drafter and scorers in bfloat16."""
-    from taps_jax import load_scorer
     from taps_jax.decoder import load_drafter
 
     tmp = assets.with_name(assets.name + ".tmp")
@@ -164,6 +173,8 @@ def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
         if (scorer_dir / "config.json").exists():
             load_scorer(scorer_dir).save(tmp / out.removesuffix("_train"))
     shutil.copy(work / "prompts_heldout.jsonl", tmp / "prompts_heldout.jsonl")
+    if (work / TABLE_FILE).is_file():
+        shutil.copy(work / TABLE_FILE, tmp / TABLE_FILE)
     for name in ("report.json", "report.png", "report_t1.png"):  # the last report stays until the next one
         if (assets / name).is_file():
             shutil.copy(assets / name, tmp / name)
@@ -183,7 +194,7 @@ def report(spec: SetSpec, work: Path, assets: Path) -> None:
         out, plot = work / f"report_{key}.json", work / f"report_{key}.png"
         if not _done(out, f"report ({key})"):
             code = bench.main(["--model", str(assets), "--prompts", str(r["prompts"]), "--chat",
-                               "--policies", "ar,chain,ddtree,taps", "--budgets", str(r["budgets"]),
+                               "--policies", "ar,chain,ddtree,taps,adaptive", "--budgets", str(r["budgets"]),
                                "--num-prompts", str(r["num_prompts"]), "--max-new-tokens", str(r["max_new_tokens"]),
                                "--temperature", str(temperature), "--json", str(out), "--plot", str(plot),
                                *(["--no-stages"] if temperature else [])])

@@ -8,28 +8,40 @@ generate loop (`taps_jax.engine.speculative.adaptive_loop`); every branch is
 an exact round, so the choice never changes what is sampled, only how fast.
 
 Choice (one branch per round for the whole batch): maximise expected tokens
-per unit cost. Expected tokens of branch k = sum over running sequences of an
-EWMA of their accepted length under budget k; cost = a per-branch vector
-(`taps_jax.engine.calibrate` measures it once per device kind and shape).
+per unit cost. Cost = a per-branch vector (`taps_jax.engine.calibrate`
+measures it once per device kind and shape). Expected tokens of branch k =
+sum over running sequences of E[accepted length | the sequence's signal,
+budget k], where the signal is read every round from the committed text at
+no model cost: the length of the longest suffix of prompt + output that
+occurred earlier in it (the prompt-lookup signal, capped at
+`match_buckets - 1`; repeated text is where drafts are accepted). The table
+E[bucket, budget] is a decayed mean of observed accepted lengths per
+(bucket, budget), started from a prior: a table fitted on traces
+(`train.adaptive_table`, shipped as a model set's adaptive.json) or the
+previous call's table. A bucket with no observation of a budget falls back
+to that budget's mean over all buckets.
+
 Trees of one pool are nested (the top-m of a ranking is a prefix of its
 top-M), so a round of budget M also tells what every smaller budget would
 have accepted from the same draft and target samples: the accepted path's
 nodes ranked below m. Larger budgets are re-measured by probing the largest
 branch once the cost spent since its last run exceeds cost_max /
 probe_fraction (so probing costs at most about that fraction), the wait
-doubling each time a probe leaves the choice unchanged. The first round
-probes it too, unless the call starts from a prior (the estimates a
-previous call of the same decoder and sampling settings ended with), so
-exploration is not paid again on every call.
+doubling each time a probe leaves the choice unchanged. Without any prior
+the first round probes it. An AR choice runs AR steps until the signal
+changes the choice or a probe is due (`speculative.ar_run`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from taps_jax.tree.select import Tree
 
@@ -40,9 +52,14 @@ class AdaptiveConfig:
 
     budgets: increasing, 0 first (the AR step); the last is the tree budget
       the state and cache headroom are sized for.
-    alpha: EWMA weight of the newest round.
+    alpha: weight of the newest observation in a (bucket, budget) mean once
+      it has 1 / alpha observations (a decayed mean); 0: a plain mean (fitting).
     probe_fraction: target share of the cost spent probing the largest branch.
     max_backoff: the probe wait doubles at most this many times.
+    match_buckets: signal buckets: suffix-match lengths 0 .. match_buckets - 1
+      (the last bucket: that long or longer); 1 turns the signal off.
+    prior_weight: a fitted prior counts as at most this many observations per
+      (bucket, budget), so the call's own rounds soon outweigh it.
     force_cycle: test hook, every branch in turn (largest first, down to the AR step).
     """
 
@@ -50,6 +67,8 @@ class AdaptiveConfig:
     alpha: float = 0.25
     probe_fraction: float = 0.05
     max_backoff: int = 4
+    match_buckets: int = 9
+    prior_weight: float = 4.0
     force_cycle: bool = False
 
     @classmethod
@@ -61,15 +80,24 @@ class AdaptiveConfig:
         b = self.budgets
         if len(b) < 2 or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:])):
             raise ValueError(f"adaptive budgets must start with 0 (the AR step) and increase, got {b!r}")
-        if not 0 < self.alpha <= 1 or not 0 < self.probe_fraction <= 1:
-            raise ValueError(f"adaptive alpha and probe_fraction must be in (0, 1], got {self.alpha}, "
+        if not 0 <= self.alpha <= 1 or not 0 < self.probe_fraction <= 1:
+            raise ValueError(f"adaptive alpha must be in [0, 1] and probe_fraction in (0, 1], got {self.alpha}, "
                              f"{self.probe_fraction}")
+        if self.match_buckets < 1 or not self.prior_weight > 0:
+            raise ValueError(f"adaptive match_buckets must be >= 1 and prior_weight > 0, got {self.match_buckets}, "
+                             f"{self.prior_weight}")
+
+    def empty_prior(self):
+        """A prior of no observations, [2, Q, K] (sums, counts): what `estimates` returns, as numpy."""
+        return np.zeros((2, self.match_buckets, len(self.budgets)), np.float32)
 
 
 @flax.struct.dataclass
 class AdaptiveState:
-    est_BK: jax.Array  # [B, K] f32 EWMA of accepted length (root included) per sequence and branch
-    seen_K: jax.Array  # [K] bool: branch k has an estimate
+    sum_QK: jax.Array  # [Q, K] f32 decayed sum of accepted lengths (root included) per signal bucket and branch
+    count_QK: jax.Array  # [Q, K] f32 decayed number of those observations
+    prompt_BP: jax.Array  # [B, P] int32 the prompts (the signal reads prompt + output)
+    prompt_len_B: jax.Array  # [B] int32
     spent: jax.Array  # f32 cost spent since the largest branch last ran
     wait: jax.Array  # f32 cost to spend before the next probe
     backoff: jax.Array  # int32 probes in a row that left the choice unchanged
@@ -77,58 +105,118 @@ class AdaptiveState:
     branch_R: jax.Array  # [R] int32 branch index of each round (-1: none)
 
     @classmethod
-    def init(cls, batch: int, rounds: int, config: AdaptiveConfig, prior_K=None, costs_K=None) -> AdaptiveState:
-        """prior_K: [K] accepted-length estimates to start from (NaN: none; e.g. the previous call's)."""
-        K = len(config.budgets)
-        prior_K = jnp.full((K,), jnp.nan, jnp.float32) if prior_K is None else jnp.asarray(prior_K, jnp.float32)
-        seen_K = ~jnp.isnan(prior_K) | (jnp.arange(K) == 0)  # an AR step emits exactly one token
-        known = jnp.all(seen_K)
+    def init(cls, rounds: int, config: AdaptiveConfig, prompt_BP, prompt_len_B, prior=None,
+             costs_K=None) -> AdaptiveState:
+        """prior: [2, Q, K] (sums, counts) to start from (e.g. a fitted table or the previous call's); None: none."""
+        Q, K = config.match_buckets, len(config.budgets)
+        prior = jnp.zeros((2, Q, K), jnp.float32) if prior is None else jnp.asarray(prior, jnp.float32)
+        # The prior counts as at most prior_weight observations per cell (its mean kept).
+        scale_QK = jnp.minimum(1.0, config.prior_weight / jnp.maximum(prior[1], 1e-9))
+        count_QK = (prior[1] * scale_QK).at[:, 0].set(0.0)
+        sum_QK = (prior[0] * scale_QK).at[:, 0].set(0.0)
+        known = jnp.all(jnp.sum(count_QK, axis=0)[1:] > 0)
         return cls(
-            est_BK=jnp.broadcast_to(jnp.where(jnp.isnan(prior_K), 1.0, prior_K), (batch, K)),
-            seen_K=seen_K,
+            sum_QK=sum_QK,
+            count_QK=count_QK,
+            prompt_BP=prompt_BP.astype(jnp.int32),
+            prompt_len_B=prompt_len_B.astype(jnp.int32),
             spent=jnp.zeros((), jnp.float32),
-            # With every branch estimated (a prior), the first probe waits as after two that changed
-            # nothing (calls are short: a wait reset per call would probe in each); else round 0 probes.
-            wait=jnp.where(known, costs_K[-1] / config.probe_fraction * 2.0 ** min(2, config.max_backoff), 0.0)
+            # With every branch estimated (a prior) the first probe waits a full period; else round 0 probes.
+            wait=jnp.where(known, costs_K[-1] / config.probe_fraction, 0.0)
             if costs_K is not None else jnp.zeros((), jnp.float32),
-            backoff=jnp.where(known, min(2, config.max_backoff), 0).astype(jnp.int32),
+            backoff=jnp.zeros((), jnp.int32),
             round=jnp.zeros((), jnp.int32),
             branch_R=jnp.full((rounds,), -1, jnp.int32),
         )
 
 
-def best_branch(st: AdaptiveState, running_B, costs_K) -> jax.Array:
+# ----------------------------------------------------------------------------- the signal
+
+
+def match_lengths(text_BS, length_B, longest: int) -> jax.Array:
+    """[B] int32: the longest m <= `longest` such that the last m tokens of text[:length] also end earlier.
+
+    O(S * longest) compares per sequence, no model call: for every earlier end
+    position j, count how many of the last tokens agree going backwards.
+    """
+    B, S = text_BS.shape
+    if longest == 0:
+        return jnp.zeros((B,), jnp.int32)
+    padded_BS = jnp.pad(text_BS, ((0, 0), (longest, 0)), constant_values=-1)  # text[j - d] = -1 for j < d
+    j_S = jnp.arange(S)
+    alive_BS = (j_S[None] < length_B[:, None] - 1)  # an earlier end position
+    run_BS = jnp.zeros((B, S), jnp.int32)
+    for d in range(longest):
+        tail_B = jnp.take_along_axis(text_BS, jnp.maximum(length_B - 1 - d, 0)[:, None], axis=1)[:, 0]
+        alive_BS = alive_BS & (padded_BS[:, longest - d: longest - d + S] == tail_B[:, None]) & \
+            (length_B[:, None] - 1 - d >= 0)
+        run_BS = run_BS + alive_BS
+    return jnp.max(run_BS, axis=1).astype(jnp.int32)
+
+
+def signal_buckets(st: AdaptiveState, out_BN, generated_B, config: AdaptiveConfig) -> jax.Array:
+    """[B] int32 signal bucket of each sequence: its suffix-match length over prompt + output, capped."""
+    if config.match_buckets == 1:
+        return jnp.zeros(generated_B.shape, jnp.int32)
+    P = st.prompt_BP.shape[1]
+    S = P + out_BN.shape[1]
+    s_S = jnp.arange(S)
+    # Prompt + output as one contiguous row: the prompt's padding is skipped.
+    src_BS = jnp.where(s_S[None] < st.prompt_len_B[:, None], s_S[None], P + s_S[None] - st.prompt_len_B[:, None])
+    text_BS = jnp.take_along_axis(jnp.concatenate([st.prompt_BP, out_BN], axis=1), jnp.minimum(src_BS, S - 1), axis=1)
+    return match_lengths(text_BS, st.prompt_len_B + generated_B, config.match_buckets - 1)
+
+
+# ----------------------------------------------------------------------------- estimates and the choice
+
+
+def expected_BK(st: AdaptiveState, q_B) -> jax.Array:
+    """[B, K] expected accepted length of each branch for each sequence's bucket (NaN: no estimate; AR: 1)."""
+    overall_K = jnp.sum(st.sum_QK, axis=0) / jnp.sum(st.count_QK, axis=0)  # NaN where never seen
+    count_BK, sum_BK = st.count_QK[q_B], st.sum_QK[q_B]
+    e_BK = jnp.where(count_BK > 0, sum_BK / jnp.maximum(count_BK, 1e-9), overall_K[None])
+    return e_BK.at[:, 0].set(1.0)  # an AR step emits exactly one token
+
+
+def best_branch(st: AdaptiveState, q_B, running_B, costs_K) -> jax.Array:
     """argmax_k (sum of running sequences' expected tokens) / cost_k; ties go to the cheaper (lower) branch."""
-    tokens_K = jnp.sum(jnp.where(running_B[:, None], st.est_BK, 0.0), axis=0)
-    value_K = jnp.where(st.seen_K, tokens_K / costs_K, -jnp.inf)
+    e_BK = expected_BK(st, q_B)
+    seen_K = ~jnp.any(jnp.isnan(e_BK), axis=0)
+    tokens_K = jnp.sum(jnp.where(running_B[:, None], jnp.nan_to_num(e_BK), 0.0), axis=0)
+    value_K = jnp.where(seen_K, tokens_K / costs_K, -jnp.inf)
     return jnp.argmax(value_K).astype(jnp.int32)
 
 
-def choose(st: AdaptiveState, running_B, costs_K, config: AdaptiveConfig) -> tuple[jax.Array, jax.Array]:
+def choose(st: AdaptiveState, q_B, running_B, costs_K, config: AdaptiveConfig) -> tuple[jax.Array, jax.Array]:
     """(branch index, whether it is a probe of the largest branch)."""
     K = len(config.budgets)
     if config.force_cycle:  # largest first, then each smaller one down to the AR step, and again
         k = (K - 1 - st.round % K).astype(jnp.int32)
         return k, k == K - 1
-    probe = ((st.round == 0) & ~jnp.all(st.seen_K)) | (st.spent >= st.wait)
-    return jnp.where(probe, K - 1, best_branch(st, running_B, costs_K)), probe
+    unseen = ~jnp.all(jnp.sum(st.count_QK, axis=0)[1:] > 0)
+    probe = ((st.round == 0) & unseen) | (st.spent >= st.wait)
+    return jnp.where(probe, K - 1, best_branch(st, q_B, running_B, costs_K)), probe
 
 
-def update(st: AdaptiveState, k, probe, accepted_BK, running_B, costs_K, config: AdaptiveConfig) -> AdaptiveState:
+def update(st: AdaptiveState, k, probe, accepted_BK, running_B, q_B, costs_K, config: AdaptiveConfig) -> AdaptiveState:
     """Fold one round into the statistics.
 
     accepted_BK: what each branch j <= k would have accepted this round (the
-    branch that ran and the smaller ones; columns j > k are ignored).
+    branch that ran and the smaller ones; columns j > k are ignored), for
+    sequences in signal buckets q_B.
     """
-    K = len(config.budgets)
-    before = best_branch(st, running_B, costs_K)
-    fresh_K = jnp.arange(K) <= k
-    a_BK = accepted_BK.astype(jnp.float32)
-    ewma_BK = jnp.where(st.seen_K, (1 - config.alpha) * st.est_BK + config.alpha * a_BK, a_BK)
-    est_BK = jnp.where(fresh_K[None] & running_B[:, None], ewma_BK, st.est_BK)
-    st = st.replace(est_BK=est_BK, seen_K=st.seen_K | fresh_K)
+    K, Q = len(config.budgets), config.match_buckets
+    before = best_branch(st, q_B, running_B, costs_K)
+    w_BQ = (jax.nn.one_hot(q_B, Q, dtype=jnp.float32) * running_B[:, None])
+    fresh_K = (jnp.arange(K) <= k) & (jnp.arange(K) > 0)
+    obs_QK = w_BQ.T @ accepted_BK.astype(jnp.float32)
+    n_Q = jnp.sum(w_BQ, axis=0)
+    hit_QK = (n_Q[:, None] > 0) & fresh_K[None]
+    keep = 1.0 - config.alpha
+    st = st.replace(sum_QK=jnp.where(hit_QK, keep * st.sum_QK + obs_QK, st.sum_QK),
+                    count_QK=jnp.where(hit_QK, keep * st.count_QK + n_Q[:, None], st.count_QK))
     # After a probe: wait (cost_max / fraction) * 2^backoff, backing off while probes change nothing.
-    after = best_branch(st, running_B, costs_K)
+    after = best_branch(st, q_B, running_B, costs_K)
     largest = k == K - 1
     confirmed = probe & (st.round > 0) & (before != K - 1) & (after == before)
     backoff = jnp.where(largest, jnp.where(confirmed, jnp.minimum(st.backoff + 1, config.max_backoff), 0),
@@ -144,11 +232,9 @@ def update(st: AdaptiveState, k, probe, accepted_BK, running_B, costs_K, config:
     )
 
 
-def estimates(st: AdaptiveState, ran_B) -> jax.Array:
-    """[K] mean estimate over the sequences that ran (NaN for branches never seen): the next call's prior."""
-    w_B = ran_B.astype(jnp.float32)
-    mean_K = jnp.sum(st.est_BK * w_B[:, None], axis=0) / jnp.maximum(jnp.sum(w_B), 1.0)
-    return jnp.where(st.seen_K & jnp.any(ran_B), mean_K, jnp.nan)
+def estimates(st: AdaptiveState) -> jax.Array:
+    """[2, Q, K] (sums, counts) of the observations: the next call's prior (or, fitted, a model set's table)."""
+    return jnp.stack([st.sum_QK, st.count_QK])
 
 
 def tree_ranks(tree: Tree, score_BN) -> jax.Array:
@@ -177,3 +263,64 @@ def accepted_by_budget(rank_BT, path_BA, path_valid_BA, budgets: tuple[int, ...]
     node_BA = path_valid_BA[:, 1:]
     cols = [1 + jnp.sum(node_BA & (rank_BA < m), axis=1, dtype=jnp.int32) for m in budgets]
     return jnp.stack(cols, axis=1)
+
+
+# ----------------------------------------------------------------------------- fitted tables
+
+
+TABLE_FILE = "adaptive.json"  # in a model set's directory
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveTable:
+    """Accepted-length statistics per signal bucket and budget, fitted on traces (`train.adaptive_table`).
+
+    A model set's adaptive.json: what its drafter accepts from its target, not
+    what a round costs (that is the device's: `taps_jax.engine.calibrate`).
+    sums/counts: {"greedy" | "sampled": [Q][len(budgets)] lists}, the
+    observations of forced largest-budget rounds (every smaller budget's
+    accepted length comes from the same rounds).
+    """
+
+    budgets: tuple[int, ...]
+    match_buckets: int
+    sums: dict
+    counts: dict
+    meta: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def prior(self, config: AdaptiveConfig, greedy: bool) -> np.ndarray:
+        """[2, Q, K] prior for `config`'s budgets (a budget the table lacks: no observations)."""
+        out = config.empty_prior()
+        kind = "greedy" if greedy else "sampled"
+        if kind not in self.sums or self.match_buckets != config.match_buckets:
+            return out
+        sums, counts = np.asarray(self.sums[kind], np.float32), np.asarray(self.counts[kind], np.float32)
+        for k, b in enumerate(config.budgets):
+            if k and b in self.budgets:
+                j = self.budgets.index(b)
+                out[0, :, k], out[1, :, k] = sums[:, j], counts[:, j]
+        return out
+
+    def means(self, kind: str) -> np.ndarray:
+        """[Q, len(budgets)] mean accepted length (NaN: no observation), for reports."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.asarray(self.sums[kind], np.float64) / np.asarray(self.counts[kind], np.float64)
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps({"budgets": list(self.budgets), "match_buckets": self.match_buckets,
+                                          "sums": self.sums, "counts": self.counts, "meta": self.meta}, indent=1))
+
+    @classmethod
+    def load(cls, path) -> AdaptiveTable:
+        """Read adaptive.json; a malformed file is a ValueError naming it."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            table = cls(tuple(int(b) for b in raw["budgets"]), int(raw["match_buckets"]), dict(raw["sums"]),
+                        dict(raw["counts"]), dict(raw.get("meta", {})))
+            for kind in table.sums:
+                shape = (table.match_buckets, len(table.budgets))
+                if np.shape(table.sums[kind]) != shape or np.shape(table.counts[kind]) != shape:
+                    raise ValueError(f"{kind} tables are not {shape[0]} x {shape[1]}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not an adaptive table ({e}); refit it with python -m train.adaptive_table")
+        return table

@@ -31,7 +31,7 @@ from taps_jax.engine import speculative as spec
 
 CACHE_FILE = "adaptive_costs.json"
 # Part of the cache key: bump when a change to the engine changes what a round costs.
-ENGINE_VERSION = 3  # 2: AR runs, in-place branches; 3: key blocks of 128 in small caches
+ENGINE_VERSION = 4  # 2: AR runs, in-place branches; 3: key blocks of 128 in small caches; 4: the text signal
 _memory: dict[str, tuple[float, ...]] = {}
 
 
@@ -67,7 +67,7 @@ def forced_run(args, kwargs, branch: int, rounds: int) -> tuple[float, int]:
     budgets = kwargs["config"].adaptive.budgets
     # Device arrays and a host prior, as `SpeculativeDecoder.prepare` passes them: the same jit entry.
     kw = dict(kwargs, costs_K=jnp.ones(len(budgets), jnp.float32), force=jnp.int32(branch),
-              max_rounds=jnp.int32(rounds), prior_K=np.full((len(budgets),), np.nan, np.float32))
+              max_rounds=jnp.int32(rounds), prior=kwargs["config"].adaptive.empty_prior())
     start = time.perf_counter()
     out = jax.block_until_ready(spec.spec_generate(*args, **kw))
     return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())

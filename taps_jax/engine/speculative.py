@@ -316,12 +316,11 @@ def tree_round(target, drafter, scorer, s: SpecState, config: SpecConfig, budget
 def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
     """Consecutive AR rounds (branch 0), as many as the per-round choice would make in a row.
 
-    While branch 0 is chosen, a round changes nothing the choice reads but the
-    cost spent and, when a sequence stops, the sums over running sequences;
-    so the run goes on until a probe is due (spent >= wait), every sequence
-    stops, `limit` rounds, or A rounds (the pending tap queue, emptied first,
-    is full; this also bounds how long a stopped sequence's share stays in
-    the choice). The choice and the statistics are paid once per run, not
+    While branch 0 is chosen, an AR round changes no estimate, only the cost
+    spent, the text (so the signal) and which sequences run; so the run goes
+    on until the signal makes another branch the best, a probe is due (spent
+    >= wait), every sequence stops, `limit` rounds, or A rounds (the pending
+    tap queue, emptied first, is full). The choice and the statistics are paid once per run, not
     per step: a sequence's AR rounds are the tokens it emitted in the run.
     """
     ac = config.adaptive
@@ -335,7 +334,11 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
     steps = jnp.where(force == 0, A, jnp.where(force < 0, jnp.clip(due, 1, A), 1))
     steps = jnp.minimum(1 if ac.force_cycle else steps, limit - st.round)
 
-    s, ran = jax.lax.while_loop(lambda c: (c[1] < steps) & running(c[0]),
+    def stay(s):  # the text's signal still makes the AR step the best branch (always, when forced)
+        q_B = adapt.signal_buckets(st, s.out_BN, s.generated_B, ac)
+        return (force >= 0) | (adapt.best_branch(st, q_B, s.finish_B == RUNNING, costs_K) == 0)
+
+    s, ran = jax.lax.while_loop(lambda c: (c[1] < steps) & running(c[0]) & ((c[1] == 0) | stay(c[0])),
                                 lambda c: (ar_round(target, drafter, c[0], config, c[1]), c[1] + 1),
                                 (s, jnp.int32(0)))
     ran_B = s.generated_B - generated0_B  # one token per round while running
@@ -361,13 +364,14 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
     def body(carry):
         s, st = carry
         running_B = s.finish_B == RUNNING
-        k, probe = adapt.choose(st, running_B, costs_K, ac)
+        q_B = adapt.signal_buckets(st, s.out_BN, s.generated_B, ac)
+        k, probe = adapt.choose(st, q_B, running_B, costs_K, ac)
         k = jnp.where(force >= 0, force, k)
         carry = run_if(k == 0, lambda c: ar_run(target, drafter, c, costs_K, config, force, limit), carry)
         for i, budget in enumerate(ac.budgets[1:], start=1):
             def branch(c, i=i, budget=budget):
                 s, accepted_BK = tree_round(target, drafter, scorer, c[0], config, budget)
-                return s, adapt.update(c[1], i, probe, accepted_BK, running_B, costs_K, ac)
+                return s, adapt.update(c[1], i, probe, accepted_BK, running_B, q_B, costs_K, ac)
             carry = run_if(k == i, branch, carry)
         return carry
 
@@ -380,11 +384,11 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
 # rounds) run the same prefill and loop body in pieces.
 
 
-def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig, costs_K, prior_K):
+def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig, costs_K, prior):
     state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
     if config.adaptive is None:
         return state
-    st = adapt.AdaptiveState.init(state.bonus_B.shape[0], config.decode.max_new_tokens, config.adaptive, prior_K,
+    st = adapt.AdaptiveState.init(config.decode.max_new_tokens, config.adaptive, prompt_BT, prompt_len_B, prior,
                                   jnp.asarray(costs_K, jnp.float32))
     return state, st
 
@@ -394,13 +398,13 @@ def _round_limit(max_rounds, config: SpecConfig):
 
 
 def spec_outputs(carry, config: SpecConfig):
-    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [K])."""
+    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [2, Q, K])."""
     N = config.decode.max_new_tokens
     if config.adaptive is None:
         state, branch_R, est_K = carry, jnp.full((N,), -1, jnp.int32), jnp.zeros((0,), jnp.float32)
     else:
         state, st = carry
-        branch_R, est_K = st.branch_R, adapt.estimates(st, state.rounds_B > 0)
+        branch_R, est_K = st.branch_R, adapt.estimates(st)
     return (state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR, branch_R,
             est_K)
 
@@ -412,9 +416,9 @@ _STATIC = ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef")
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None,
 ):
-    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [K]).
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates).
 
     scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
     `taps_jax.tree.scorer.Scorer`), required by policy "taps" (and adaptive
@@ -423,13 +427,14 @@ def spec_generate(
     branch: adaptive only, the branch index of each round (-1 after the last).
     force, max_rounds: adaptive only, for the cost calibration (one branch
     every round, at most that many rounds); data, so no new program.
-    prior_K / estimates: adaptive only, per-branch accepted-length estimates
-    the loop starts from (NaN: none) / ends with (the next call's prior).
+    prior / estimates: adaptive only, [2, Q, K] sums and counts of accepted
+    lengths per signal bucket and branch that the loop starts from (zeros:
+    none) / ends with (the next call's prior; `taps_jax.engine.adaptive`).
     """
     target, drafter, scorer = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    carry = start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior_K)
+    carry = start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior)
     if config.adaptive is None:
         carry = jax.lax.while_loop(running, lambda s: round_step(target, drafter, scorer, s, config), carry)
     else:
@@ -442,19 +447,19 @@ def spec_generate(
 def spec_start(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None,
 ):
     """`spec_generate`'s prefill: the loop carry before the first round."""
     target, drafter, _ = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    return start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior_K)
+    return start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
 def spec_advance(
     target_graphdef, target_params, drafter_graphdef, drafter_params, carry, rounds, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior_K=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None,
 ):
     """At most `rounds` more rounds of `spec_generate`'s loop (same body, same order)."""
     target, drafter, scorer = _merge(
