@@ -31,7 +31,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     argv = ["--work", str(work), "--assets", str(assets), "--corpus", str(small_corpus(tmp_path / "corpus")),
             "--preset", "tiny", "--vocab-size", "320",
             "--tokenizer-bytes", "60000", "--heldout-prompts", "4", "--trace-prompts", "4",
-            "--trace-tokens", "8", "--scorer-steps", "6", "--report-prompts", "2", "--report-budgets", "4",
+            "--trace-tokens", "8", "--scorer-steps", "6", "--adaptive-prompts", "2", "--adaptive-tokens", "8", "--report-prompts", "2", "--report-budgets", "4",
             "--report-tokens", "8"]
     assert recipe.main(argv) == 0
     assert corpus.CORPUS_ROOT_ENV not in os.environ  # the recipe restores the environment
@@ -44,6 +44,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     assert distilled and not distilled & set(traced)
     models = load_model_set(assets)
     assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
+    assert models.table is not None and sum(map(sum, models.table.counts["greedy"])) > 0  # the adaptive prior
     assert models.scorer.training["labels"] == "sampled" and models.greedy_scorer.training["labels"] == "greedy"
     assert json.loads((assets / "target" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert models.target.params["embed_tokens"]["embedding"].get_value().dtype == "float32"
@@ -63,7 +64,7 @@ def test_recipe_builds_a_working_set_and_skips_done_stages(tmp_path, capsys):
     capsys.readouterr()
     assert recipe.main(argv) == 0  # everything done: every stage is skipped
     out = capsys.readouterr().out
-    assert out.count("skipped") == 9  # 8 stages, 2 scorers
+    assert out.count("skipped") == 10  # 9 stages, 2 scorers
     assert (assets / "report.png").exists() and (assets / "report.json").exists()
     target_loss = report["losses"]["target"]
     (work / "target_train" / "metrics.csv").unlink()  # say the target was restored, not retrained

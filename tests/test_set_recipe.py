@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
+from taps_jax.decoder import DEFAULT_MODEL_DIR, load_model_set
 from train import set_recipe
 
 TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}<|endoftext|>\n{% endfor %}"
@@ -24,6 +24,7 @@ def tiny_set(tmp_path):
                     "counts": {"train": 16, "validation": 4, "traces": 3, "heldout": 2}},
         "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3},
         "scorer": {"steps": 4},
+        "adaptive": {"num_prompts": 2, "max_new_tokens": 8, "batch_size": 2},
         "report": {"prompts": "humaneval", "num_prompts": 1, "budgets": "4", "max_new_tokens": 8},
     }
     path = tmp_path / "tiny.json"
@@ -33,7 +34,7 @@ def tiny_set(tmp_path):
 
 def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     spec, work = tiny_set(tmp_path), tmp_path / "work"
-    argv = ["--set", str(spec), "--work", str(work), "--stages", "prompts,drafter,traces,scorer,assemble"]
+    argv = ["--set", str(spec), "--work", str(work), "--stages", "prompts,drafter,traces,scorer,adaptive,assemble"]
     assert set_recipe.main(argv) == 0
     prompts = {s: [json.loads(line) for line in (work / f"prompts_{s}.jsonl").open()] for s in set_recipe.SPLITS}
     assert all(r["prompt"].startswith("### user:\n") for rows in prompts.values() for r in rows)
@@ -41,17 +42,16 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     assert not ids["train"] & ids["traces"] and not ids["train"] & ids["validation"]
     models = load_model_set(tmp_path / "assets")
     assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
+    assert models.table is not None and models.table.meta["prompts_file"] == "prompts_traces.jsonl"
     chat = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     ar = models.target.chat(chat, 12)
-    for policy in ("ddtree", "taps"):
-        extra = {"scorer": models.greedy_scorer} if policy == "taps" else {}
-        assert SpeculativeDecoder(models.target, models.drafter, policy, 4, **extra).generate(chat, 12).tokens \
-            == ar.tokens
+    for policy in ("ddtree", "taps", "adaptive"):
+        assert models.decoder(policy, 4).generate(chat, 12).tokens == ar.tokens
     # A rerun skips every finished stage.
     capsys.readouterr()
-    assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer"]) == 0
+    assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer,adaptive"]) == 0
     out = capsys.readouterr().out
-    assert out.count("skipped") == 8 and "running" not in out  # 4 prompt splits, drafter, traces, 2 scorers
+    assert out.count("skipped") == 9 and "running" not in out  # 4 prompt splits, drafter, traces, 2 scorers, table
 
 
 def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):

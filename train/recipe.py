@@ -147,9 +147,10 @@ def run_stage(name: str, args) -> None:
             from train import adaptive_table
 
             prompts = work / "prompts_adaptive.jsonl"  # neither the benchmark's nor the drafter's prompts
-            corpus.write_prompts_jsonl(prompts, corpus.build_prompts("validation", n=64, seed=0))
+            corpus.write_prompts_jsonl(prompts, corpus.build_prompts("validation", n=args.adaptive_prompts, seed=0))
             adaptive_table.fit_stage(target_dir, drafter_dir, [work / out / "scorer" for out, _ in SCORERS],
-                                     prompts, work / TABLE_FILE, batch_size=64)
+                                     prompts, work / TABLE_FILE, num_prompts=args.adaptive_prompts,
+                                     max_new_tokens=args.adaptive_tokens, batch_size=args.adaptive_prompts)
     elif name == "assemble":
         scorers = {out.removesuffix("_train"): work / out / "scorer" for out, _ in SCORERS}
         assemble(args.assets, target_dir, drafter_dir, scorers, work / "prompts_heldout.jsonl",
@@ -256,6 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer-bytes", type=int, default=None, help="train the tokenizer on this many bytes only")
     p.add_argument("--heldout-prompts", type=int, default=200, help="prompts in the shipped held-out set")
     p.add_argument("--trace-prompts", type=int, default=256, help="train-split prompts traced for the scorer")
+    p.add_argument("--adaptive-prompts", type=int, default=64,
+                   help="validation-split prompts the adaptive prior is fitted on (one batch)")
+    p.add_argument("--adaptive-tokens", type=int, default=128, help="new tokens per prompt of that fit")
     p.add_argument("--trace-tokens", type=int, default=128, help="tokens decoded per trace prompt")
     p.add_argument("--scorer-steps", type=int, default=None, help="scorer training steps (default: train.scorer's)")
     p.add_argument("--report-prompts", type=int, default=32, help="held-out prompts in the report benchmark")

@@ -112,6 +112,7 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
     if name == "prompts":
         todo = [split for split in SPLITS if not _done(work / f"prompts_{split}.jsonl", f"prompts ({split})")]
         if todo:  # what `python -m train.instructions --split S --count N --seed S --chat-target T` writes
+            from taps_jax.api import load_target
             from train import instructions
 
             p, pool, target = spec.prompts, instructions.candidates(), load_target(spec.target_path())
@@ -155,6 +156,7 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
 
 def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
     """The set in the package in compact form: the target's pointer, drafter and scorers in bfloat16."""
+    from taps_jax import load_scorer
     from taps_jax.decoder import load_drafter
 
     tmp = assets.with_name(assets.name + ".tmp")
