@@ -301,8 +301,9 @@ def test_the_choice_follows_the_text(models, shipped_table):
         got = dec.generate([prompt], 24)
         assert got.tokens == want.tokens
         budgets = got.stats["budgets"]
-        if trees:
-            assert budgets[0] > 0 and np.mean(np.asarray(budgets) > 0) > 0.5, budgets
+        if trees:  # most tokens come from tree rounds
+            from_trees = sum(a for a, b in zip(got.stats["accepted_lengths"][0], budgets) if b > 0)
+            assert budgets[0] > 0 and from_trees > 0.5 * len(got.tokens[0]), (budgets, got.stats["accepted_lengths"])
         else:
             assert budgets[:8] == [0] * 8, budgets
 
