@@ -12,7 +12,7 @@ from pathlib import Path
 from taps_jax import load_scorer, load_target
 from taps_jax.sharding import add_mesh_args, positive_int, setup_mesh  # noqa: F401  (re-exported for the CLIs)
 from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
-from taps_jax.engine.adaptive import TABLE_FILE, AdaptiveTable
+from taps_jax.engine.adaptive import AdaptiveTable
 from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 
 
@@ -94,8 +94,7 @@ def load_models(args, mesh=None) -> ModelSet:
         load_scorer(greedy_dir) if greedy_dir and args.scorer is None else None,
         set_name(base) if base is not None and args.drafter is None else None,
         # The fitted adaptive prior belongs to the set's own drafter.
-        AdaptiveTable.load(base / TABLE_FILE) if base is not None and args.drafter is None and drafter_dir
-        and (base / TABLE_FILE).is_file() else None,
+        AdaptiveTable.of_set(base) if base is not None and args.drafter is None and drafter_dir else None,
     )
 
 

@@ -16,7 +16,7 @@ from taps_jax.calls import STREAM_CHUNK, GenerateCall, Programs
 from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
-from taps_jax.engine.adaptive import TABLE_FILE, AdaptiveConfig, AdaptiveTable
+from taps_jax.engine.adaptive import AdaptiveConfig, AdaptiveTable
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import check_call, check_lengths, pad_batch
 from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING
@@ -389,5 +389,5 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
                     check_scorer_target(scorer, target)
     except ValueError as e:
         raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
-    table = AdaptiveTable.load(path / TABLE_FILE) if drafter is not None and (path / TABLE_FILE).is_file() else None
+    table = AdaptiveTable.of_set(path) if drafter is not None else None  # the prior of the set's own drafter
     return ModelSet(target, drafter, *scorers, set_name(path), table)

@@ -311,6 +311,12 @@ class AdaptiveTable:
                                           "sums": self.sums, "counts": self.counts, "meta": self.meta}, indent=1))
 
     @classmethod
+    def of_set(cls, directory) -> AdaptiveTable | None:
+        """A model set directory's adaptive.json, or None when it has none."""
+        path = Path(directory) / TABLE_FILE
+        return cls.load(path) if path.is_file() else None
+
+    @classmethod
     def load(cls, path) -> AdaptiveTable:
         """Read adaptive.json; a malformed file is a ValueError naming it."""
         try:
