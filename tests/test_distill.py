@@ -202,6 +202,31 @@ def test_resume_gives_identical_next_step_loss(setup, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
+    """Precomputed tap features give the losses and params of the in-step forward; a rerun reuses the file."""
+    target, seqs = setup
+    steps = 4
+    optim = D.distill_optim(steps, lr=1e-2)
+    ref = D.distill(target, tiny_drafter(target), seqs, seqs, tmp_path / "ref", config(steps), optim)
+    got = D.distill(target, tiny_drafter(target), seqs, seqs, tmp_path / "cached", config(steps, tap_cache=True),
+                    optim)
+    files = sorted(p.name for p in (tmp_path / "cached" / "data").glob("taps-*.npy"))
+    assert len(files) == 2 and files[0].startswith("taps-train-") and files[1].startswith("taps-validation-")
+    feats = np.load(tmp_path / "cached" / "data" / files[0])
+    want = D.target_taps(target.model, jnp.asarray(seqs.tokens), (0, 1))
+    np.testing.assert_allclose(feats, np.asarray(want), rtol=1e-5, atol=1e-5)
+    loss = lambda r: np.array([float(x["loss"]) for x in r.history])
+    np.testing.assert_allclose(loss(got), loss(ref), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.state.params), jax.tree.leaves(ref.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # A rerun on the same weights and tokens loads the features instead of running the target.
+    path = tmp_path / "cached" / "data" / files[0]
+    stamp = path.stat().st_mtime_ns
+    again = D.tap_features(target, seqs, (0, 1), tmp_path / "cached" / "data", "train")
+    np.testing.assert_array_equal(np.asarray(again), feats)
+    assert path.stat().st_mtime_ns == stamp and not list(path.parent.glob("*.tmp*"))
+
+
 # --------------------------------------------------------------------------- export and decoding
 
 

@@ -23,18 +23,16 @@ train/distill_objective.py; settings, the run, the CLI and --bench: here)
    (tokens, prompt_lens, lengths); the key hashes the target's weights and
    every generation setting, so a rerun (or --resume) skips generation, and
    an interrupted generation resumes from its finished chunks.
-2. Tap features: computed ON THE FLY inside the jitted step, one frozen
-   target forward per sequence (causal mask, `taps=target_layer_ids`, the lm
-   head skipped). Measured (`--bench`, 6-layer target of width 256 or 384,
-   batch 8 x 320 tokens, 16 anchors): that forward is ~40% of a 1-layer
-   drafter's step (CPU time) and ~30% of a 2-layer one's. A precomputed
-   cache would remove it from every pass after the first, ~30% of a 4-pass
-   run, but must store [N, S, n_taps * D] floats (default set: 4096 x 320 x
-   768 x 2 B = 2 GB in float16, twice that in float32) per (target, taps,
-   data) and keep a second input path identical to the decode-time
-   features. On the fly keeps the features exactly what decoding sees and
-   needs no storage; more anchors per sequence amortise the forward instead
-   (32 anchors: ~22% of the step).
+2. Tap features: by default computed ON THE FLY inside the jitted step, one
+   frozen target forward per sequence (causal mask, `taps=target_layer_ids`,
+   the lm head skipped): exactly what decoding sees, and no storage. More
+   anchors per sequence amortise it (32 anchors: ~22% of a step for the
+   default set's 6-layer target). For a real target it dominates the step
+   (SmolLM2-135M: 50-70%), and every pass after the first repeats it:
+   `tap_cache` (the train section) computes every sequence's features once
+   into <out>/data/taps-<split>-<key>.npy ([N, S, n_taps * D] float32, read
+   as a memmap; the key hashes the weights, tap ids and tokens) and the step
+   reads them. Same forward, same features (tested against the in-step path).
 3. Objective: per sequence, A anchors are sampled without replacement; block
    j is [tok[a_j], MASK x H] at positions a_j .. a_j + H. All blocks of a
    sequence run in ONE `Drafter.forward_masked`, where block j sees the
@@ -105,7 +103,7 @@ from train.data import (PROMPT_DIGESTS, Example, add_data_flags, encode_examples
 # Re-exported: train.distill is the stage's public face (data and objective live in their own modules).
 from train.distill_data import (  # noqa: F401
     AnchorBatches, Sequences, anchor_range, generate_sequences, params_fingerprint, sample_anchors,
-    sequences_from_pairs)
+    sequences_from_pairs, tap_features)
 from train.distill_objective import (  # noqa: F401
     anchor_block_mask, block_forward, block_tokens, default_gamma, labels_and_weights, make_evaluator,
     make_forward, make_loss_fn, plot_agreement, position_weights, summarize, target_taps)
@@ -181,6 +179,9 @@ class DistillConfig:
     eval_every: int = option(250, "validate every N steps (0: only at the end)")
     checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
     keep: int = option(3, "checkpoints kept")
+    tap_cache: bool = option(False, "compute the frozen target's tap features of every sequence once and keep "
+                                    "them on disk (<out>/data/taps-*.npy, N x S x taps x D float32) instead of "
+                                    "in every step")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq"):
@@ -280,9 +281,10 @@ class DistillSetup:
 
 
 def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: DistillConfig,
-          optim: loop.OptimConfig, mesh=None) -> DistillSetup:
+          optim: loop.OptimConfig, mesh=None, taps=None) -> DistillSetup:
     """Everything `distill` needs, exposed for benchmarks and tests.
 
+    taps: the train sequences' precomputed tap features (`tap_features`), or None (computed in each step).
     mesh: the drafter's params and optimizer state are sharded by the rules
     and each batch is split over "data" (batch_size must divide it).
     """
@@ -297,7 +299,7 @@ def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: Disti
     loss_fn = make_loss_fn(forward)
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
-                            config.anchor_region, config.seed)
+                            config.anchor_region, config.seed, taps=taps)
     return DistillSetup(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
                       loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
@@ -327,7 +329,13 @@ def distill(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     optim = optim or distill_optim(config.steps)
-    run = setup(target, drafter, train_seqs, config, optim, mesh)
+    taps = val_taps = None
+    if config.tap_cache:
+        ids = drafter.config.target_layer_ids
+        taps = tap_features(target, train_seqs, ids, out_dir / "data", "train")
+        if val_seqs is not None and len(val_seqs):
+            val_taps = tap_features(target, val_seqs, ids, out_dir / "data", "validation")
+    run = setup(target, drafter, train_seqs, config, optim, mesh, taps=taps)
     H = drafter.config.block_size - 1
     if mesh is not None:
         sharding.check_config(target.config, mesh, "target")
@@ -340,7 +348,7 @@ def distill(
     evaluate = None
     if val_seqs is not None and len(val_seqs):
         val_batches = AnchorBatches(val_seqs, config.batch_size, config.anchors_per_seq, drafter.config.block_size,
-                                    "continuation", config.seed).fixed_batches()
+                                    "continuation", config.seed, taps=val_taps).fixed_batches()
         evaluate = make_evaluator(run.forward, val_batches, tparams, out_dir, H, start)
 
     total = config.steps if stop_after is None else min(stop_after, config.steps)

@@ -154,6 +154,53 @@ def generate_sequences(
     return seqs
 
 
+# --------------------------------------------------------------------------- tap features, computed once
+
+
+def tap_features(target: Target, seqs: Sequences, layer_ids: tuple[int, ...], cache_dir: Path, name: str,
+                 batch_size: int = 8) -> np.ndarray:
+    """The frozen target's tap features [N, S, n_taps * D] (float32) of every sequence, as a read-only memmap.
+
+    The same `target_taps` forward the step would run, done once: for a real target it is most of a step
+    (SmolLM2: 50-70%), and every pass after the first repeats it. Kept as cache_dir/taps-<name>-<key>.npy;
+    the key hashes the weights, the tap ids and the tokens, so other data or weights never reuse it.
+    """
+    from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
+
+    from train.distill_objective import target_taps  # noqa: PLC0415
+
+    h = hashlib.sha1(params_fingerprint(target.params).encode())
+    h.update(repr(tuple(layer_ids)).encode())
+    h.update(seqs.tokens.tobytes())
+    path = Path(cache_dir) / f"taps-{name}-{h.hexdigest()[:12]}.npy"
+    N, S = seqs.tokens.shape
+    F = len(layer_ids) * target.config.hidden_size
+    if path.is_file():
+        try:
+            feats = np.load(path, mmap_mode="r")
+            if feats.shape == (N, S, F) and feats.dtype == np.float32:
+                return feats
+        except (OSError, ValueError):
+            pass  # damaged: recompute
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(N, S, F))
+    graphdef = target.graphdef
+    taps_of = jax.jit(lambda params, tokens_BS: target_taps(nnx.merge(graphdef, params), tokens_BS, layer_ids))
+    gb = N * S * F * 4 / 2**30
+    with tqdm(total=N, desc=f"tap features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
+        for lo in range(0, N, batch_size):
+            rows = np.arange(lo, lo + batch_size) % N  # the last batch wraps: one compiled shape
+            got = np.asarray(jax.device_get(taps_of(target.params, seqs.tokens[rows].astype(np.int32))))
+            n = min(batch_size, N - lo)
+            out[lo:lo + n] = got[:n]
+            bar.update(n)
+    out.flush()
+    del out
+    os.replace(tmp, path)
+    return np.load(path, mmap_mode="r")
+
+
 # --------------------------------------------------------------------------- anchors and batches
 
 
@@ -187,10 +234,13 @@ class AnchorBatches:
     """
 
     def __init__(self, seqs: Sequences, batch_size: int, anchors_per_seq: int, block_size: int,
-                 region: str = "continuation", seed: int = 0):
+                 region: str = "continuation", seed: int = 0, taps: np.ndarray | None = None):
         if len(seqs) == 0:
             raise ValueError("no training sequences")
+        if taps is not None and taps.shape[:2] != seqs.tokens.shape:
+            raise ValueError(f"tap features {taps.shape} do not match the sequences {seqs.tokens.shape}")
         self.seqs, self.B, self.A, self.Kb = seqs, batch_size, anchors_per_seq, block_size
+        self.taps = taps  # [N, S, F] precomputed features (`tap_features`), or None: computed in the step
         self.region, self.seed = region, seed
         self._perm: dict[int, np.ndarray] = {}
         ranges = [anchor_range(int(p), int(n), block_size, region) for p, n in zip(seqs.prompt_lens, seqs.lengths)]
@@ -214,12 +264,15 @@ class AnchorBatches:
 
     def batch_of(self, rows: np.ndarray, rng: np.random.Generator) -> dict:
         anchors, valid = zip(*(sample_anchors(rng, *self.ranges[r], self.A) for r in rows))
-        return {
+        batch = {
             "tokens": self.seqs.tokens[rows].astype(np.int32),
             "anchors": np.stack(anchors),
             "anchor_valid": np.stack(valid),
             "lengths": self.seqs.lengths[rows].astype(np.int32),
         }
+        if self.taps is not None:
+            batch["taps"] = np.asarray(self.taps[rows])
+        return batch
 
     def fixed_batches(self, seed: int = 12345) -> list[dict]:
         """Every sequence once, in order, with fixed anchors (validation); the last batch is padded invalid."""

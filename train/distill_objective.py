@@ -114,7 +114,8 @@ def make_forward(drafter_graphdef, target_graphdef, weights_H: np.ndarray):
         target = nnx.merge(target_graphdef, batch["target"])
         c = drafter.config
         tokens_BS, anchors_BA = batch["tokens"], batch["anchors"]
-        taps_BSF = target_taps(target, tokens_BS, c.target_layer_ids)
+        # Precomputed features (`tap_features`) when the batch carries them, else the frozen forward here.
+        taps_BSF = batch["taps"] if "taps" in batch else target_taps(target, tokens_BS, c.target_layer_ids)
         blocks_BAK = block_tokens(tokens_BS, anchors_BA, c.block_size, c.mask_token_id)
         logits_BAHV = block_forward(drafter, target, blocks_BAK, anchors_BA, taps_BSF)
         labels_BAH, w_BAH, valid_BAH = labels_and_weights(
