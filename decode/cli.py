@@ -148,13 +148,9 @@ def build_decoder(args, mesh) -> SpeculativeDecoder:
     if args.policy == "taps" and scorer is None:
         raise ValueError("--policy taps needs a scorer: pass --scorer DIR or a --model dir with scorer/ "
                          "(train one with python -m train.scorer), or use --policy ddtree")
-    if args.policy != "ar" and models.drafter is None:
-        raise ValueError(models.missing_drafter())
-    extra = models.options(args.policy, args.temperature)
-    if args.adaptive_costs is not None:
-        extra["costs"] = args.adaptive_costs
-    return SpeculativeDecoder(models.target, models.drafter, args.policy, args.budget, mesh=mesh,
-                              prefill_chunk=args.prefill_chunk, **extra)
+    extra = {"costs": args.adaptive_costs} if args.adaptive_costs is not None else {}
+    return models.decoder(args.policy, args.budget, args.temperature, mesh=mesh, prefill_chunk=args.prefill_chunk,
+                          **extra)
 
 
 def open_cli_job(args, dirs: dict):

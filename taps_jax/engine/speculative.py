@@ -322,20 +322,23 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
     While branch 0 is chosen, an AR round changes no estimate, only the cost
     spent, the text (so the signal) and which sequences run; so the run goes
     on until the signal (read every SIGNAL_EVERY steps) makes another branch
-    the best, a probe is due (spent
-    >= wait), every sequence stops, `limit` rounds, or A rounds (the pending
-    tap queue, emptied first, is full). The choice and the statistics are paid once per run, not
-    per step: a sequence's AR rounds are the tokens it emitted in the run.
+    the best, a probe is due (spent >= wait), every sequence stops, or
+    `limit` rounds. The pending tap queue holds A steps: when it is full the
+    run hands it to the drafter's context and goes on (a run of a forced AR
+    branch, the calibration's, is A steps). The choice and the statistics are
+    paid once per run, not per step: a sequence's AR rounds are the tokens it
+    emitted in the run.
     """
     ac = config.adaptive
     s, st = carry
     A = s.ctx_taps_BAF.shape[1]
     N = s.accepted_BR.shape[1]
     R = st.branch_R.shape[0]
-    s = absorb_context(drafter, s)  # step i's tap features go to slot i of every row
+    s = absorb_context(drafter, s)  # step i's tap features go to slot i % A of every row
     generated0_B = s.generated_B
-    due = jnp.ceil((st.wait - st.spent) / costs_K[0]).astype(jnp.int32)  # AR rounds until a probe
-    steps = jnp.where(force == 0, A, jnp.where(force < 0, jnp.clip(due, 1, A), 1))
+    # AR rounds until a probe is due (a call emits at most N tokens, so at most N rounds; wait may be inf).
+    due = jnp.ceil(jnp.clip((st.wait - st.spent) / costs_K[0], 1, N)).astype(jnp.int32)
+    steps = jnp.where(force == 0, A, jnp.where(force < 0, due, 1))
     steps = jnp.minimum(1 if ac.force_cycle else steps, limit - st.round)
 
     def stay(i, s):  # the text's signal still makes the AR step the best branch (always, when forced)
@@ -346,13 +349,23 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
         # Read every SIGNAL_EVERY steps: its few dozen small ops cost ~5% of a small model's AR step.
         return run_if((force < 0) & (i % SIGNAL_EVERY == 0) & (i > 0), best_is_ar, jnp.ones((), bool))
 
-    s, ran = jax.lax.while_loop(lambda c: (c[1] < steps) & running(c[0]) & stay(c[1], c[0]),
-                                lambda c: (ar_round(target, drafter, c[0], config, c[1]), c[1] + 1),
-                                (s, jnp.int32(0)))
+    def step(c):
+        s, i, absorbed_B = c
+
+        def absorb(c):  # the queue is full: its A steps go to the drafter's context, in place
+            s, absorbed_B = c
+            s = absorb_context(drafter, s.replace(ctx_count_B=s.generated_B - absorbed_B))
+            return s, s.generated_B
+
+        s, absorbed_B = run_if((i % A == 0) & (i > 0), absorb, (s, absorbed_B))
+        return ar_round(target, drafter, s, config, i % A), i + 1, absorbed_B
+
+    s, ran, absorbed_B = jax.lax.while_loop(lambda c: (c[1] < steps) & running(c[0]) & stay(c[1], c[0]), step,
+                                            (s, jnp.int32(0), generated0_B))
     ran_B = s.generated_B - generated0_B  # one token per round while running
     r_BN = jnp.arange(N)[None] - s.rounds_B[:, None]
     r_R = jnp.arange(R) - st.round
-    s = s.replace(ctx_count_B=ran_B, rounds_B=s.rounds_B + ran_B,
+    s = s.replace(ctx_count_B=s.generated_B - absorbed_B, rounds_B=s.rounds_B + ran_B,
                   accepted_BR=jnp.where((r_BN >= 0) & (r_BN < ran_B[:, None]), 1, s.accepted_BR))
     st = st.replace(spent=st.spent + ran.astype(jnp.float32) * costs_K[0], round=st.round + ran,
                     branch_R=jnp.where((r_R >= 0) & (r_R < ran), 0, st.branch_R))
