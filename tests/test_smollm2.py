@@ -99,7 +99,7 @@ def test_cli_chat_prints_transformers_greedy_answer(ours, hf_model, hf_tokenizer
     r = _cli("--policy", "ar", "--max-new-tokens", "48", "--prompt", question)
     assert r.returncode == 0, r.stderr
     assert r.stdout == want + "\n"
-    # The default policy (adaptive, with the shipped drafter, scorers and table) prints the same answer.
+    # The default policy (adaptive, with the shipped drafter and table) prints the same answer.
     r = _cli("--max-new-tokens", "48", "--prompt", question)
     assert r.returncode == 0, r.stderr
     assert r.stdout == want + "\n"
