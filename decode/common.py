@@ -13,6 +13,7 @@ from taps_jax import load_scorer, load_target
 from taps_jax.sharding import add_mesh_args, positive_int, setup_mesh  # noqa: F401  (re-exported for the CLIs)
 from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
 from taps_jax.engine.adaptive import AdaptiveTable
+from taps_jax.tree.lookup import LookupTable
 from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 
 
@@ -95,6 +96,7 @@ def load_models(args, mesh=None) -> ModelSet:
         set_name(base) if base is not None and args.drafter is None else None,
         # The fitted adaptive prior belongs to the set's own drafter.
         AdaptiveTable.of_set(base) if base is not None and args.drafter is None and drafter_dir else None,
+        LookupTable.of_set(base) if base is not None and args.target is None else None,  # the set target's text
     )
 
 

@@ -22,9 +22,10 @@ from taps_jax.decoder import (POLICIES, DrafterModel, ModelSet, SpeculativeDecod
                               load_model_set)
 from taps_jax.engine.adaptive import AdaptiveConfig
 from taps_jax.engine.sampling import SamplingConfig
+from taps_jax.tree.lookup import LookupTable
 
 __all__ = [
-    "AdaptiveConfig", "DrafterConfig", "DrafterModel", "GenerateCall", "GenerateResult", "ModelConfig", "ModelSet",
+    "AdaptiveConfig", "DrafterConfig", "DrafterModel", "GenerateCall", "GenerateResult", "LookupTable", "ModelConfig", "ModelSet",
     "POLICIES", "RopeScaling", "SamplingConfig", "ScorerModel", "SpeculativeDecoder", "Target", "load_drafter",
     "load_model_set", "load_scorer", "load_target",
 ]

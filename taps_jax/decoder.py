@@ -26,6 +26,7 @@ from taps_jax.engine.static import StaticGraph
 from taps_jax.engine.speculative import SpecConfig, spec_advance, spec_generate, spec_outputs, spec_start
 from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 from taps_jax.models.drafter import Drafter
+from taps_jax.tree.lookup import LookupTable
 from taps_jax.tree.policies import TreeConfig
 
 POLICIES = ("ar", "chain", "ddtree", "taps", "adaptive")
@@ -113,6 +114,11 @@ class SpeculativeDecoder:
     the first call's prior; without one the first round probes the largest
     tree.
 
+    lookup: a `LookupTable` (a model set's lookup.json, `ModelSet.lookup`):
+    every draft gets the committed text's own earlier continuation mixed in
+    with the fitted weights (`taps_jax.tree.lookup`), so trees copy what the
+    text repeats. Output is unchanged; only which nodes are verified.
+
     mesh: run on a ("data", "model") device mesh (`taps_jax.sharding.make_mesh`):
     target and drafter params are sharded by the logical-axis rules, the
     scorer is replicated, and each batch is split over "data" (padded to a
@@ -131,7 +137,7 @@ class SpeculativeDecoder:
     def __init__(self, target: Target, drafter: DrafterModel | None, policy: str = "adaptive", budget: int = 32,
                  lattice_k: int | None = None, beam_width: int | None = None, scorer: ScorerModel | None = None,
                  mesh=None, prefill_chunk: int = PREFILL_CHUNK, costs=None, adaptive: AdaptiveConfig | None = None,
-                 table: AdaptiveTable | None = None):
+                 table: AdaptiveTable | None = None, lookup: LookupTable | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if not isinstance(target, Target):
@@ -144,7 +150,7 @@ class SpeculativeDecoder:
         if mesh is not None and mesh is not target.mesh:
             target = target.on_mesh(mesh)
         self.mesh = target.mesh
-        self.scorer = None
+        self.scorer, self.lookup = None, None
         if drafter is None:
             if policy != "ar":
                 raise ValueError(f"policy {policy!r} needs a drafter; load one with load_drafter(path) or use policy 'ar'")
@@ -162,6 +168,12 @@ class SpeculativeDecoder:
                 raise ValueError(f"table must be an AdaptiveTable (AdaptiveTable.load(path)), got {type(table).__name__}")
         elif costs is not None or adaptive is not None or table is not None:
             raise ValueError(f"costs, adaptive and table are for policy 'adaptive', not {policy!r}")
+        if lookup is not None and not isinstance(lookup, LookupTable):
+            raise ValueError(f"lookup must be a LookupTable (LookupTable.load(path)), got {type(lookup).__name__}")
+        if lookup is not None:
+            for greedy in (True, False):
+                lookup.config(greedy).validate(drafter.config.block_size - 1)
+        self.lookup = lookup
         self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
         self.table = table if policy == "adaptive" else None
         # Each call's final statistics start the next call with the same sampling settings and costs; the
@@ -240,7 +252,8 @@ class SpeculativeDecoder:
         args = (self.target._static_graph, self.target.params, self._drafter_graphdef, self._drafter_params,
                 sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh), sharding.put_batch(active, mesh),
                 jax.random.key(seed))
-        kwargs = {"config": SpecConfig(decode, self.tree, self.adaptive)}
+        lookup = None if self.lookup is None else self.lookup.config(sampling.greedy)
+        kwargs = {"config": SpecConfig(decode, self.tree, self.adaptive, lookup)}
         if self.scorer is not None:
             kwargs.update(scorer_graphdef=self._scorer_graphdef, scorer_params=self._scorer_params)
         if self.adaptive is not None:
@@ -333,6 +346,7 @@ class ModelSet:
     greedy_scorer: ScorerModel | None = None
     name: str | None = None  # the set the parts came from (a shipped name or a path), for messages
     table: AdaptiveTable | None = None  # adaptive.json: the adaptive policy's fitted prior
+    lookup: LookupTable | None = None  # lookup.json: the weights of the text's continuation in every draft
 
     def missing_drafter(self) -> str:
         """Why a speculative policy cannot run here, and what to do instead."""
@@ -342,10 +356,12 @@ class ModelSet:
 
     def options(self, policy: str, temperature: float = 0.0) -> dict:
         """The `SpeculativeDecoder` keywords this set gives `policy` at `temperature`: its scorer (taps, adaptive)
-        and its fitted table (adaptive)."""
+        and its fitted table (adaptive), the lookup weights (every speculative policy)."""
         extra = {"scorer": self.scorer_for(temperature)} if policy in ("taps", "adaptive") else {}
         if policy == "adaptive" and self.table is not None:
             extra["table"] = self.table
+        if policy != "ar" and self.lookup is not None:
+            extra["lookup"] = self.lookup
         return extra
 
     def decoder(self, policy: str = "adaptive", budget: int = 32, temperature: float = 0.0,
@@ -390,4 +406,4 @@ def load_model_set(path, dtype: str = "float32", mesh=None) -> ModelSet:
     except ValueError as e:
         raise ValueError(f"{path}: the model set's parts do not fit together: {e}") from None
     table = AdaptiveTable.of_set(path) if drafter is not None else None  # the prior of the set's own drafter
-    return ModelSet(target, drafter, *scorers, set_name(path), table)
+    return ModelSet(target, drafter, *scorers, set_name(path), table, LookupTable.of_set(path))

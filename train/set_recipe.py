@@ -50,7 +50,7 @@ class SetSpec:
     assets: str  # the set's directory under taps_jax/assets/, or a path
     drafter_preset: str
     prompts: dict  # {"seed", "max_prompt_tokens", "counts": {split: n}}
-    traces: dict  # TracesRun/TraceConfig settings: max_new_tokens, budget, batch_size
+    traces: dict  # batch_size, num_prompts (the split's first N) and TraceConfig fields (pool_width, budget, ...)
     scorer: dict  # {"steps": n | null}
     report: dict  # {"prompts", "num_prompts", "budgets", "max_new_tokens"}
     adaptive: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
@@ -94,11 +94,12 @@ def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
                                    prompts=work / "prompts_train.jsonl", val_prompts=work / "prompts_validation.jsonl",
                                    preset=spec.drafter_preset, resume=True)]
     if name == "traces":
-        t = spec.traces
-        trace = traces.TraceConfig(max_new_tokens=t.get("max_new_tokens", 128), budget=t.get("budget", 32))
+        t = dict(spec.traces)
+        run = {k: t.pop(k) for k in ("batch_size", "num_prompts") if k in t}
+        trace = traces.TraceConfig(**t)  # pool_width, budget, max_new_tokens, ...: unknown keys are refused
         return [traces.TracesRun(target=target, drafter=drafter_dir, prompts=work / "prompts_traces.jsonl",
                                  out=work / "traces", distill_prompts=(work / "prompts_train.jsonl",), trace=trace,
-                                 batch_size=t.get("batch_size", 8))]
+                                 **run)]
     if name == "scorer":
         steps = {"steps": spec.scorer["steps"]} if spec.scorer.get("steps") else {}
         return [scorer.ScorerRun(traces=work / "traces", target=target, out=work / out, resume=True,

@@ -459,7 +459,7 @@ class TracesRun:
     out: Path
     prompts: Path | None = None
     corpus: Path | None = None
-    num_prompts: int = 256  # with corpus
+    num_prompts: int = 256  # with corpus: how many; with a prompts file: its first N
     distill_prompts: tuple[Path, ...] = ()  # prompt files the drafter was distilled on (refused)
     trace: TraceConfig = TraceConfig()
     batch_size: int = 8
@@ -477,7 +477,7 @@ def run(config: TracesRun, progress: bool = True) -> dict:
         raise ValueError("give the trace prompts with --prompts FILE.jsonl or --corpus DIR (one of them)")
     if config.corpus is not None and not Path(config.corpus).is_dir():
         raise ValueError(f"--corpus {config.corpus} is not a directory; give a tree of .py files")
-    prompts = [r.prompt for r in read_prompt_file(config.prompts)] if config.prompts else None
+    prompts = [r.prompt for r in read_prompt_file(config.prompts)][: config.num_prompts] if config.prompts else None
     distill_files = [[e.prompt for e in data.read_examples(f)] for f in config.distill_prompts]
     target = load_target(config.target, config.dtype)
     drafter = load_drafter(config.drafter, config.dtype)
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                    'distilled on (checked against DRAFTER/distill_prompts.json and --distill-prompts)',
         corpus="instead of --prompts: function-signature prompts of the train split of this tree of .py files, "
                "skipping the drafter's distillation prompts", val_prompts=False)
-    p.add_argument("--num-prompts", type=int, default=256, help="--corpus: how many prompts")
+    p.add_argument("--num-prompts", type=int, default=256, help="how many prompts (--prompts: the file's first N)")
     p.add_argument("--distill-prompts", type=Path, action="append", default=[],
                    help="a prompts file the drafter was distilled on (repeatable); an overlap is refused")
     p.add_argument("--out", type=Path, required=True, help="output dir (shards + meta.json); resumes if it exists")

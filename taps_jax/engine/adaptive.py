@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taps_jax.tree.lookup import committed_text, match_lengths
 from taps_jax.tree.select import Tree
 
 
@@ -96,8 +97,6 @@ class AdaptiveConfig:
 class AdaptiveState:
     sum_QK: jax.Array  # [Q, K] f32 decayed sum of accepted lengths (root included) per signal bucket and branch
     count_QK: jax.Array  # [Q, K] f32 decayed number of those observations
-    prompt_BP: jax.Array  # [B, P] int32 the prompts (the signal reads prompt + output)
-    prompt_len_B: jax.Array  # [B] int32
     spent: jax.Array  # f32 cost spent since the largest branch last ran
     wait: jax.Array  # f32 cost to spend before the next probe
     backoff: jax.Array  # int32 probes in a row that left the choice unchanged
@@ -105,8 +104,7 @@ class AdaptiveState:
     branch_R: jax.Array  # [R] int32 branch index of each round (-1: none)
 
     @classmethod
-    def init(cls, rounds: int, config: AdaptiveConfig, prompt_BP, prompt_len_B, prior=None,
-             costs_K=None) -> AdaptiveState:
+    def init(cls, rounds: int, config: AdaptiveConfig, prior=None, costs_K=None) -> AdaptiveState:
         """prior: [2, Q, K] (sums, counts) to start from (e.g. a fitted table or the previous call's); None: none."""
         Q, K = config.match_buckets, len(config.budgets)
         prior = jnp.zeros((2, Q, K), jnp.float32) if prior is None else jnp.asarray(prior, jnp.float32)
@@ -118,8 +116,6 @@ class AdaptiveState:
         return cls(
             sum_QK=sum_QK,
             count_QK=count_QK,
-            prompt_BP=prompt_BP.astype(jnp.int32),
-            prompt_len_B=prompt_len_B.astype(jnp.int32),
             spent=jnp.zeros((), jnp.float32),
             # With every branch estimated (a prior) the first probe waits a full period; else round 0 probes.
             wait=jnp.where(known, costs_K[-1] / config.probe_fraction, 0.0)
@@ -133,38 +129,12 @@ class AdaptiveState:
 # ----------------------------------------------------------------------------- the signal
 
 
-def match_lengths(text_BS, length_B, longest: int) -> jax.Array:
-    """[B] int32: the longest m <= `longest` such that the last m tokens of text[:length] also end earlier.
-
-    O(S * longest) compares per sequence, no model call: for every earlier end
-    position j, count how many of the last tokens agree going backwards.
-    """
-    B, S = text_BS.shape
-    if longest == 0:
-        return jnp.zeros((B,), jnp.int32)
-    padded_BS = jnp.pad(text_BS, ((0, 0), (longest, 0)), constant_values=-1)  # text[j - d] = -1 for j < d
-    j_S = jnp.arange(S)
-    alive_BS = (j_S[None] < length_B[:, None] - 1)  # an earlier end position
-    run_BS = jnp.zeros((B, S), jnp.int32)
-    for d in range(longest):
-        tail_B = jnp.take_along_axis(text_BS, jnp.maximum(length_B - 1 - d, 0)[:, None], axis=1)[:, 0]
-        alive_BS = alive_BS & (padded_BS[:, longest - d: longest - d + S] == tail_B[:, None]) & \
-            (length_B[:, None] - 1 - d >= 0)
-        run_BS = run_BS + alive_BS
-    return jnp.max(run_BS, axis=1).astype(jnp.int32)
-
-
-def signal_buckets(st: AdaptiveState, out_BN, generated_B, config: AdaptiveConfig) -> jax.Array:
+def signal_buckets(prompt_BP, prompt_len_B, out_BN, generated_B, config: AdaptiveConfig) -> jax.Array:
     """[B] int32 signal bucket of each sequence: its suffix-match length over prompt + output, capped."""
     if config.match_buckets == 1:
         return jnp.zeros(generated_B.shape, jnp.int32)
-    P = st.prompt_BP.shape[1]
-    S = P + out_BN.shape[1]
-    s_S = jnp.arange(S)
-    # Prompt + output as one contiguous row: the prompt's padding is skipped.
-    src_BS = jnp.where(s_S[None] < st.prompt_len_B[:, None], s_S[None], P + s_S[None] - st.prompt_len_B[:, None])
-    text_BS = jnp.take_along_axis(jnp.concatenate([st.prompt_BP, out_BN], axis=1), jnp.minimum(src_BS, S - 1), axis=1)
-    return match_lengths(text_BS, st.prompt_len_B + generated_B, config.match_buckets - 1)
+    text_BS = committed_text(prompt_BP, prompt_len_B, out_BN)
+    return match_lengths(text_BS, prompt_len_B + generated_B, config.match_buckets - 1)
 
 
 # ----------------------------------------------------------------------------- estimates and the choice

@@ -58,6 +58,7 @@ def cost_key(args, kwargs) -> str:
         "sampling": [config.decode.sampling.greedy, config.decode.sampling.top_k > 0,
                      config.decode.sampling.top_p < 1.0],
         "capacity": config.decode.capacity,
+        "lookup": config.lookup is not None,  # its match and mix run in every tree round's draft
     }
     return json.dumps(facts, sort_keys=True)
 

@@ -32,6 +32,7 @@ from taps_jax.models.cache import KVCache
 from taps_jax.sharding import constrain_batch, constrain_kv_cache
 from taps_jax.models.drafter import DrafterCache, draft_logits
 from taps_jax.tree.accept import accept_walk
+from taps_jax.tree.lookup import LookupConfig, lookup_draft
 from taps_jax.tree.policies import TreeConfig, draft_tree
 from taps_jax.tree.scorer import taps_log_qcond_fn
 from taps_jax.tree.select import ancestor_mask
@@ -44,6 +45,7 @@ class SpecConfig:
     decode: DecodeConfig
     tree: TreeConfig  # for adaptive: the largest branch's tree (its pool is every branch's)
     adaptive: adapt.AdaptiveConfig | None = None
+    lookup: LookupConfig | None = None  # mix the text's earlier continuation into every draft
 
 
 @flax.struct.dataclass
@@ -58,6 +60,8 @@ class SpecState:
     finish_B: jax.Array  # [B] RUNNING, EOS, LENGTH, CAPACITY (-1: padded batch slot)
     rounds_B: jax.Array  # [B] rounds in which the sequence was running
     accepted_BR: jax.Array  # [B, R] accepted length (root included) of each round
+    prompt_BP: jax.Array  # [B, P] int32 the prompts (the text signal and the lookup read prompt + output)
+    prompt_len_B: jax.Array  # [B] int32
     key: jax.Array
 
 
@@ -77,7 +81,8 @@ def _pin(state: SpecState) -> SpecState:
     """Keep caches on (-, data, model, -, -) and per-sequence fields on data (no-op without a mesh)."""
     caches = dict(cache=constrain_kv_cache(state.cache), dcache=constrain_kv_cache(state.dcache))
     rest = {f: constrain_batch(getattr(state, f)) for f in
-            ("ctx_taps_BAF", "ctx_count_B", "bonus_B", "out_BN", "generated_B", "finish_B", "rounds_B", "accepted_BR")}
+            ("ctx_taps_BAF", "ctx_count_B", "bonus_B", "out_BN", "generated_B", "finish_B", "rounds_B", "accepted_BR",
+             "prompt_BP", "prompt_len_B")}
     return state.replace(**caches, **rest)
 
 
@@ -129,12 +134,15 @@ def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: 
         finish_B=jnp.where(active_B, finish_B, -1),
         rounds_B=jnp.zeros((B,), jnp.int32),
         accepted_BR=jnp.zeros((B, N), jnp.int32),
+        prompt_BP=prompt_BT.astype(jnp.int32),
+        prompt_len_B=prompt_len_B.astype(jnp.int32),
         key=key,
     ))
 
 
-def draft_stage(target, drafter, s: SpecState):
-    """Add last round's context to the drafter cache, then one non-causal block pass.
+def draft_stage(target, drafter, s: SpecState, lookup: LookupConfig | None = None):
+    """Add last round's context to the drafter cache, then one non-causal block pass (and, with `lookup`, the
+    text's earlier continuation mixed in: `taps_jax.tree.lookup`).
 
     Returns (drafter cache, draft logits [B, H, V], drafter hidden [B, H, D]).
     """
@@ -145,6 +153,8 @@ def draft_stage(target, drafter, s: SpecState):
     block_BK = jnp.concatenate([s.bonus_B[:, None], mask_BH], axis=1)
     block_pos_BK = s.cache.lengths_B[:, None] + jnp.arange(Kb, dtype=jnp.int32)
     draft_BHV, hidden_BHD = draft_logits(drafter, target, block_BK, block_pos_BK, dcache)
+    if lookup is not None:
+        draft_BHV = lookup_draft(lookup, draft_BHV, s.prompt_BP, s.prompt_len_B, s.out_BN, s.generated_B)
     return dcache, draft_BHV, hidden_BHD
 
 
@@ -231,7 +241,7 @@ def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig
     # Commit: accepted K/V into [len, len + a); their taps feed the next draft.
     cache = cache.gather_commit(path_BA, commit_B)
     ctx_taps_BAF = jnp.take_along_axis(taps_BTF, path_BA[..., None], axis=1).astype(s.ctx_taps_BAF.dtype)
-    next_state = SpecState(
+    next_state = s.replace(
         cache=cache,
         dcache=dcache,
         ctx_taps_BAF=jnp.pad(ctx_taps_BAF, ((0, 0), (0, A - A_tree), (0, 0))),
@@ -243,7 +253,7 @@ def verify_stage(target, drafter, s: SpecState, dcache, tree, config: SpecConfig
 
 def round_step(target, drafter, scorer, s: SpecState, config: SpecConfig) -> SpecState:
     """One speculative round: draft -> select -> verify/accept/commit."""
-    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s)
+    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s, config.lookup)
     tree = select_stage(config.tree, target, scorer, draft_BHV, hidden_BHD, s.bonus_B)
     return verify_stage(target, drafter, s, dcache, tree, config)[0]
 
@@ -304,7 +314,7 @@ def tree_round(target, drafter, scorer, s: SpecState, config: SpecConfig, budget
     Also returns [B, K]: what each budget <= this one would have accepted
     from the same draft and target samples (`adaptive.accepted_by_budget`).
     """
-    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s)
+    dcache, draft_BHV, hidden_BHD = draft_stage(target, drafter, s, config.lookup)
     tree, aux = _select(dataclasses.replace(config.tree, budget=budget), target, scorer, draft_BHV, hidden_BHD,
                         s.bonus_B)
     s, acc = verify_stage(target, drafter, s, dcache, tree, config)
@@ -343,7 +353,7 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
 
     def stay(i, s):  # the text's signal still makes the AR step the best branch (always, when forced)
         def best_is_ar(_):
-            q_B = adapt.signal_buckets(st, s.out_BN, s.generated_B, ac)
+            q_B = adapt.signal_buckets(s.prompt_BP, s.prompt_len_B, s.out_BN, s.generated_B, ac)
             return adapt.best_branch(st, q_B, s.finish_B == RUNNING, costs_K) == 0
 
         # Read every SIGNAL_EVERY steps: its few dozen small ops cost ~5% of a small model's AR step.
@@ -385,7 +395,7 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
     def body(carry):
         s, st = carry
         running_B = s.finish_B == RUNNING
-        q_B = adapt.signal_buckets(st, s.out_BN, s.generated_B, ac)
+        q_B = adapt.signal_buckets(s.prompt_BP, s.prompt_len_B, s.out_BN, s.generated_B, ac)
         k, probe = adapt.choose(st, q_B, running_B, costs_K, ac)
         k = jnp.where(force >= 0, force, k)
         carry = run_if(k == 0, lambda c: ar_run(target, drafter, c, costs_K, config, force, limit), carry)
@@ -409,7 +419,7 @@ def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config:
     state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
     if config.adaptive is None:
         return state
-    st = adapt.AdaptiveState.init(config.decode.max_new_tokens, config.adaptive, prompt_BT, prompt_len_B, prior,
+    st = adapt.AdaptiveState.init(config.decode.max_new_tokens, config.adaptive, prior,
                                   jnp.asarray(costs_K, jnp.float32))
     return state, st
 
