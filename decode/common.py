@@ -52,6 +52,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "the rest)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter/activation dtype (default float32)")
+    g.add_argument("--no-lookup", action="store_true",
+                   help="do not mix the text's earlier continuation into the drafts (the set's lookup.json)")
 
 
 def _model_base(args) -> Path | None:
@@ -96,7 +98,8 @@ def load_models(args, mesh=None) -> ModelSet:
         set_name(base) if base is not None and args.drafter is None else None,
         # The fitted adaptive prior belongs to the set's own drafter.
         AdaptiveTable.of_set(base) if base is not None and args.drafter is None and drafter_dir else None,
-        LookupTable.of_set(base) if base is not None and args.target is None else None,  # the set target's text
+        # The lookup weights are statistics of the set target's text.
+        LookupTable.of_set(base) if base is not None and args.target is None and not args.no_lookup else None,
     )
 
 

@@ -22,9 +22,10 @@ def tiny_set(tmp_path):
         "target": str(target), "assets": str(tmp_path / "assets"), "drafter_preset": "tiny",
         "prompts": {"seed": 0, "max_prompt_tokens": 400,
                     "counts": {"train": 16, "validation": 4, "traces": 3, "heldout": 2}},
-        "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3},
+        "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3, "pool_width": 4},
         "scorer": {"steps": 4},
         "adaptive": {"num_prompts": 2, "max_new_tokens": 8, "batch_size": 2},
+        "lookup": {"num_prompts": 3, "max_new_tokens": 24, "batch_size": 3},
         "report": {"prompts": "humaneval", "num_prompts": 1, "budgets": "4", "max_new_tokens": 8},
     }
     path = tmp_path / "tiny.json"
@@ -34,7 +35,7 @@ def tiny_set(tmp_path):
 
 def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     spec, work = tiny_set(tmp_path), tmp_path / "work"
-    argv = ["--set", str(spec), "--work", str(work), "--stages", "prompts,drafter,traces,scorer,adaptive,assemble"]
+    argv = ["--set", str(spec), "--work", str(work), "--stages", "prompts,drafter,traces,scorer,lookup,adaptive,assemble"]
     assert set_recipe.main(argv) == 0
     prompts = {s: [json.loads(line) for line in (work / f"prompts_{s}.jsonl").open()] for s in set_recipe.SPLITS}
     assert all(r["prompt"].startswith("### user:\n") for rows in prompts.values() for r in rows)
@@ -43,15 +44,18 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     models = load_model_set(tmp_path / "assets")
     assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
     assert models.table is not None and models.table.meta["prompts_file"] == "prompts_traces.jsonl"
+    assert models.lookup is not None and models.lookup.meta["prompts"] == 3
+    assert json.loads((work / "traces" / "meta.json").read_text())["pool"]["beam_width"] == 4  # the set's pool_width
     chat = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     ar = models.target.chat(chat, 12)
     for policy in ("ddtree", "taps", "adaptive"):
         assert models.decoder(policy, 4).generate(chat, 12).tokens == ar.tokens
     # A rerun skips every finished stage.
     capsys.readouterr()
-    assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer,adaptive"]) == 0
+    assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer,lookup,adaptive"]) == 0
     out = capsys.readouterr().out
-    assert out.count("skipped") == 9 and "running" not in out  # 4 prompt splits, drafter, traces, 2 scorers, table
+    # 4 prompt splits, drafter, traces, 2 scorers, lookup, table
+    assert out.count("skipped") == 10 and "running" not in out
 
 
 def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):

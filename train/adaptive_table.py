@@ -29,6 +29,7 @@ from taps_jax.decoder import SpeculativeDecoder, load_model_set
 from taps_jax.engine.adaptive import TABLE_FILE, AdaptiveConfig, AdaptiveTable
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.model_sets import resolve_set
+from taps_jax.tree.lookup import LookupTable
 
 FIT_BUDGETS = (0, 1, 2, 4, 8, 16, 32)  # covers AdaptiveConfig.for_budget(8), (16) and (32)
 KINDS = (("greedy", 0.0), ("sampled", 1.0))
@@ -40,7 +41,7 @@ def fit_kind(models, prompts, max_new_tokens: int, temperature: float, budgets=F
     config = AdaptiveConfig(tuple(budgets), alpha=0.0)  # a plain mean
     K = len(budgets)
     decoder = SpeculativeDecoder(models.target, models.drafter, "adaptive", budgets[-1], adaptive=config,
-                                 scorer=models.scorer_for(temperature), costs=(1.0,) * K)
+                                 scorer=models.scorer_for(temperature), costs=(1.0,) * K, lookup=models.lookup)
     sums, counts = np.zeros((config.match_buckets, K)), np.zeros((config.match_buckets, K))
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
         call = decoder.prepare(prompts[i: i + batch_size], max_new_tokens, temperature=temperature, seed=seed + i)
@@ -63,15 +64,18 @@ def fit(models, prompts, max_new_tokens: int = 128, budgets=FIT_BUDGETS, batch_s
 
 
 def fit_stage(target_path: Path, drafter_dir: Path, scorer_dirs, prompts_file: Path, out: Path, *,
-              num_prompts: int = 64, max_new_tokens: int = 128, batch_size: int = 16) -> None:
+              num_prompts: int = 64, max_new_tokens: int = 128, batch_size: int = 16,
+              lookup_file: Path | None = None) -> None:
     """The recipes' adaptive stage: fit on a training run's parts (scorer_dirs: (sampled, greedy), None if
-    missing) and the prompts of `prompts_file` the benchmarks do not use; writes `out`."""
+    missing; the lookup weights the set will ship, if any) and the prompts of `prompts_file` the benchmarks do
+    not use; writes `out`."""
     from decode.common import read_prompts
     from taps_jax import load_scorer, load_target
     from taps_jax.decoder import ModelSet, load_drafter
 
     scorers = [load_scorer(d) if d is not None and Path(d).is_dir() else None for d in scorer_dirs]
-    models = ModelSet(load_target(target_path), load_drafter(drafter_dir), *scorers)
+    lookup = LookupTable.load(lookup_file) if lookup_file is not None and Path(lookup_file).is_file() else None
+    models = ModelSet(load_target(target_path), load_drafter(drafter_dir), *scorers, lookup=lookup)
     table = fit(models, read_prompts(prompts_file, limit=num_prompts), max_new_tokens, batch_size=batch_size,
                 meta={"prompts_file": Path(prompts_file).name})
     print_table(table)

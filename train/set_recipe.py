@@ -15,6 +15,9 @@ resumes from its own checkpoints when interrupted (rerun the same command):
   traces    TAPS traces on the traces split (refused if it    -> WORK/traces/
             overlaps the distillation prompts)
   scorer    TAPS scorers: temperature-1 and greedy labels     -> WORK/scorer_train/, WORK/scorer_greedy_train/
+  lookup    the lookup weights: how often the text's earlier  -> WORK/lookup.json
+            continuation is the target's next token, on its
+            own answers to the traces split (train.lookup_table)
   adaptive  the adaptive policy's prior: accepted length per  -> WORK/adaptive.json
             text signal and budget on the traces split (train.adaptive_table)
   assemble  drafter + scorers in bfloat16 beside the target   -> ASSETS/ (taps_jax/assets/<assets>)
@@ -34,10 +37,11 @@ from taps_jax import compile_cache
 from taps_jax.config import CONFIGS_DIR
 from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
+from taps_jax.tree.lookup import LOOKUP_FILE
 
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
-STAGES = ("prompts", "drafter", "traces", "scorer", "adaptive", "assemble", "report")
+STAGES = ("prompts", "drafter", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
 SPLITS = ("train", "validation", "traces", "heldout")
 SET_DIR = CONFIGS_DIR / "sets"
 
@@ -54,6 +58,7 @@ class SetSpec:
     scorer: dict  # {"steps": n | null}
     report: dict  # {"prompts", "num_prompts", "budgets", "max_new_tokens"}
     adaptive: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
+    lookup: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
     comment: str = ""
 
     @classmethod
@@ -142,13 +147,19 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         for config, (out, labels) in zip(stage_configs(name, spec, work), SCORERS):
             if not _done(work / out / "scorer" / "config.json", f"{name} ({labels} labels)"):
                 _run(scorer, config, name)
+    elif name == "lookup":
+        if not _done(work / LOOKUP_FILE, name):
+            from train import lookup_table
+
+            lookup_table.fit_stage(spec.target_path(), work / "prompts_traces.jsonl", work / LOOKUP_FILE,
+                                   **spec.lookup)
     elif name == "adaptive":
         if not _done(work / TABLE_FILE, name):
             from train import adaptive_table
 
             adaptive_table.fit_stage(spec.target_path(), work / "distill" / "export",
                                      [work / out / "scorer" for out, _ in SCORERS], work / "prompts_traces.jsonl",
-                                     work / TABLE_FILE, **spec.adaptive)
+                                     work / TABLE_FILE, lookup_file=work / LOOKUP_FILE, **spec.adaptive)
     elif name == "assemble":
         assemble(spec, work, assets)
     elif name == "report":
@@ -176,8 +187,9 @@ def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
         if (scorer_dir / "config.json").exists():
             load_scorer(scorer_dir).save(tmp / out.removesuffix("_train"))
     shutil.copy(work / "prompts_heldout.jsonl", tmp / "prompts_heldout.jsonl")
-    if (work / TABLE_FILE).is_file():
-        shutil.copy(work / TABLE_FILE, tmp / TABLE_FILE)
+    for name in (TABLE_FILE, LOOKUP_FILE):
+        if (work / name).is_file():
+            shutil.copy(work / name, tmp / name)
     for name in ("report.json", "report.png", "report_t1.png"):  # the last report stays until the next one
         if (assets / name).is_file():
             shutil.copy(assets / name, tmp / name)

@@ -33,7 +33,7 @@ def init_jit(params, prompt_BT, prompt_len_B, active_B, key, **static):
 @_jit
 def draft_jit(params, state, **static):
     target, drafter, _ = _models(params, static)
-    return spec.draft_stage(target, drafter, state)
+    return spec.draft_stage(target, drafter, state, static["config"].lookup)
 
 
 @_jit

@@ -148,7 +148,9 @@ class LookupTable:
         return LookupConfig(tuple(tuple(round(float(x), 4) for x in row) for row in self.weights(greedy)))
 
     def save(self, path) -> None:
-        Path(path).write_text(json.dumps({"agreed": self.agreed, "tried": self.tried, "meta": self.meta}, indent=1))
+        tmp = Path(path).with_name(Path(path).name + ".tmp")  # a reader never sees half a table
+        tmp.write_text(json.dumps({"agreed": self.agreed, "tried": self.tried, "meta": self.meta}, indent=1))
+        tmp.replace(path)
 
     @classmethod
     def load(cls, path) -> "LookupTable":
