@@ -39,3 +39,28 @@ def primitives(jaxpr):
                 sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
                 if hasattr(sub, "eqns"):
                     yield from primitives(sub)
+
+
+def two_token_law(target, prompt, vocab: int):
+    """[V, V] the target's exact probability of each first two tokens after `prompt` (temperature 1)."""
+    import numpy as np
+
+    def probs(ids):
+        logits = np.asarray(target.logits([ids]))[0, -1]
+        p = np.exp(logits - logits.max())
+        return p / p.sum()
+
+    p1 = probs(prompt)
+    return np.stack([p1[a] * probs(prompt + [a]) for a in range(vocab)])
+
+
+def assert_follows(counts, exact):
+    """Chi-square: sample counts match the exact law (cells expecting >= 5), at the 99.9% level."""
+    import numpy as np
+
+    expected = exact * counts.sum()
+    keep = expected >= 5
+    chi2 = (((counts - expected) ** 2 / expected)[keep]).sum()
+    dof = keep.sum() - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3  # Wilson-Hilferty: no scipy needed
+    assert chi2 < crit, (chi2, crit)

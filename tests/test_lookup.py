@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_helpers import tiny_pair
+from spec_helpers import assert_follows, tiny_pair, two_token_law
 from taps_jax.decoder import SpeculativeDecoder
 from taps_jax.engine.adaptive import AdaptiveConfig
-from taps_jax.tree.lookup import (LookupConfig, LookupTable, continuation, count_agreement, lookup_draft,
-                                  match_lengths, mix)
+from taps_jax.tree.lookup import (LookupConfig, LookupTable, continuation, lookup_draft, match_lengths,
+                                  mix)
 from train.lookup_table import count_texts
 
 
@@ -160,22 +160,9 @@ def test_sampling_with_lookup_follows_the_target_distribution():
     """Chi-square on the first two tokens at T=1 with the continuation dominating every draft."""
     target, drafter = tiny_pair(vocab=6, block_size=4, seed=3)
     prompt = [1, 2, 1, 2, 1]
-    logits1 = np.asarray(target.logits([prompt]))[0, -1]
-    p1 = np.exp(logits1 - logits1.max())
-    p1 /= p1.sum()
-    exact = np.zeros((6, 6))
-    for a in range(6):
-        l2 = np.asarray(target.logits([prompt + [a]]))[0, -1]
-        p2 = np.exp(l2 - l2.max())
-        exact[a] = p1[a] * p2 / p2.sum()
     dec = SpeculativeDecoder(target, drafter, "ddtree", 4, lookup=_strong_table(3))
     counts = np.zeros((6, 6))
     for seed in range(500):
         for toks in dec.generate([prompt] * 8, 2, temperature=1.0, seed=seed, stop_at_eos=False).tokens:
             counts[toks[0], toks[1]] += 1
-    expected = exact * counts.sum()
-    keep = expected >= 5
-    chi2 = (((counts - expected) ** 2 / expected)[keep]).sum()
-    dof = keep.sum() - 1
-    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3  # 99.9% (Wilson-Hilferty)
-    assert chi2 < crit, (chi2, crit)
+    assert_follows(counts, two_token_law(target, prompt, 6))
