@@ -166,3 +166,19 @@ def test_sampling_with_lookup_follows_the_target_distribution():
         for toks in dec.generate([prompt] * 8, 2, temperature=1.0, seed=seed, stop_at_eos=False).tokens:
             counts[toks[0], toks[1]] += 1
     assert_follows(counts, two_token_law(target, prompt, 6))
+
+
+def test_cli_fits_a_table_the_decoder_takes(tmp_path, capsys):
+    from train import lookup_table
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):\\n    return a + b\\n\\n\\ndef add3(a, b, c):\\n"}\n'
+                       '{"prompt": "class Point:\\n    def __init__(self, x, y):\\n"}\n')
+    out = tmp_path / "lookup.json"
+    argv = ["--model", "default", "--prompts", str(prompts), "--max-new-tokens", "24", "--out", str(out)]
+    assert lookup_table.main(argv) == 0
+    table = LookupTable.load(out)
+    assert np.asarray(table.tried["greedy"]).shape == (9, 15) and np.asarray(table.tried["greedy"]).sum() > 0
+    assert table.meta["prompts"] == 2
+    assert lookup_table.main(["--model", "default", "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
