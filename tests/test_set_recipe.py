@@ -63,3 +63,12 @@ def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
     assert "no set 'nosuchset'" in capsys.readouterr().err
     assert set_recipe.main(["--set", str(tiny_set(tmp_path)), "--stages", "target"]) == 2
     assert "unknown stage 'target'" in capsys.readouterr().err
+
+
+def test_set_recipe_refuses_an_unknown_trace_setting(tmp_path, capsys):
+    spec = tiny_set(tmp_path)
+    raw = json.loads(spec.read_text())
+    raw["traces"]["pool_widht"] = 8
+    spec.write_text(json.dumps(raw))
+    assert set_recipe.main(["--set", str(spec), "--dry-run"]) == 2
+    assert "unknown traces setting 'pool_widht'" in capsys.readouterr().err

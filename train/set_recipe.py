@@ -72,9 +72,19 @@ class SetSpec:
                              f"(or give the path of a JSON file)")
         try:
             raw = json.loads(path.read_text())
-            return cls(**raw)
+            spec = cls(**raw)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{path}: not a set description ({e}); see configs/sets/smollm2.json") from None
+        from train.traces import TraceConfig
+
+        known = {"traces": {f.name for f in dataclasses.fields(TraceConfig)} | {"batch_size", "num_prompts"},
+                 "lookup": {"num_prompts", "max_new_tokens", "batch_size"},
+                 "adaptive": {"num_prompts", "max_new_tokens", "batch_size"}}
+        for section, names in known.items():
+            unknown = sorted(set(getattr(spec, section)) - names)
+            if unknown:
+                raise ValueError(f"{path}: unknown {section} setting {unknown[0]!r}; known: {', '.join(sorted(names))}")
+        return spec
 
     def target_path(self) -> Path:
         if self.target in NAMED_SETS and not Path(self.target).exists():
