@@ -45,6 +45,8 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
     assert models.table is not None and models.table.meta["prompts_file"] == "prompts_traces.jsonl"
     assert models.lookup is not None and models.lookup.meta["prompts"] == 3
+    horizon = models.drafter.config.block_size - 1  # the tiny preset's, not SmolLM2's 15
+    assert models.lookup.weights(True).shape == (9, horizon)
     assert json.loads((work / "traces" / "meta.json").read_text())["pool"]["beam_width"] == 4  # the set's pool_width
     chat = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     ar = models.target.chat(chat, 12)

@@ -71,14 +71,17 @@ def print_table(table: LookupTable) -> None:
                   + f"   {int(tried[q, 0])}")
 
 
-def fit_stage(target_path: Path, prompts_file: Path, out: Path, *, num_prompts: int = 64, max_new_tokens: int = 128,
-              batch_size: int = 16) -> None:
-    """The recipes' lookup stage: fit on prompts the benchmarks do not use; writes `out`."""
+def fit_stage(target_path: Path, drafter_dir: Path, prompts_file: Path, out: Path, *, num_prompts: int = 64,
+              max_new_tokens: int = 128, batch_size: int = 16) -> None:
+    """The recipes' lookup stage: fit on prompts the benchmarks do not use, as deep as the set's drafter
+    drafts (the decoder refuses a table shallower than its horizon); writes `out`."""
     from decode.common import read_prompts
     from taps_jax import load_target
+    from taps_jax.checkpoints.dflash import read_drafter_config
 
+    horizon = read_drafter_config(drafter_dir).block_size - 1
     table = fit(load_target(target_path), read_prompts(prompts_file, limit=num_prompts), max_new_tokens, batch_size,
-                meta={"prompts_file": Path(prompts_file).name})
+                horizon, meta={"prompts_file": Path(prompts_file).name})
     print_table(table)
     table.save(out)
 

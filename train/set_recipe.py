@@ -161,8 +161,8 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         if not _done(work / LOOKUP_FILE, name):
             from train import lookup_table
 
-            lookup_table.fit_stage(spec.target_path(), work / "prompts_traces.jsonl", work / LOOKUP_FILE,
-                                   **spec.lookup)
+            lookup_table.fit_stage(spec.target_path(), work / "distill" / "export", work / "prompts_traces.jsonl",
+                                   work / LOOKUP_FILE, **spec.lookup)
     elif name == "adaptive":
         if not _done(work / TABLE_FILE, name):
             from train import adaptive_table
