@@ -174,13 +174,37 @@ def test_costs_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
     assert spec_generate._cache_size() - before == 1  # the calibration runs the program generate runs
     table = json.loads((tmp_path / "cache" / calibrate.CACHE_FILE).read_text())
     (entry,) = table.values()
-    assert len(entry["ms"]) == 4 and all(ms > 0.001 for ms in entry["ms"])  # budgets 0, 1, 2, 4; none clamped
-    assert entry["ms"][0] < min(entry["ms"][1:])  # a draft + verify round costs more than one AR step
+    assert len(entry["ms"]) == 4 and all(ms > 0 for ms in entry["ms"])  # budgets 0, 1, 2, 4
     assert tuple(entry["ms"]) == dec.branch_costs
     # A new process (empty memory) reads the file instead of measuring.
     monkeypatch.setattr(calibrate, "_memory", {})
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert SpeculativeDecoder(target, drafter, "adaptive", 4).generate(PROMPTS[:2], 12).tokens == want
+
+
+def test_a_cost_lost_in_timing_noise_is_timed_again_then_bounded(monkeypatch):
+    """Timings in which a busy machine hides a round's cost never become a near-zero cached cost."""
+    config = type("C", (), {"adaptive": AdaptiveConfig((0, 4))})()
+    # (seconds of a 1-round run, of a long run) per repeat, per branch. Noise only adds time: branch 0's
+    # short runs are all slowed in its first two passes of 5 (its long run looks no slower than its short
+    # one), its third pass resolves; branch 1 resolves at once.
+    script = {0: iter([(2.0, 1.8)] * 10 + [(1.0, 1.8)] * 5), 1: iter([(1.0, 2.0)] * 5)}
+    pending = {}
+
+    def forced_run(args, kwargs, branch, rounds):
+        if rounds == 1:
+            pending[branch] = next(script[branch])
+            return pending[branch][0], 1
+        return (pending.pop(branch, (None, 9.0))[1], rounds)
+
+    monkeypatch.setattr(calibrate, "forced_run", forced_run)
+    ms = calibrate.measure(None, {"config": config}, max_new_tokens=17)
+    assert ms == pytest.approx((0.8 / 16 * 1e3, 1.0 / 5 * 1e3))  # branch 0: 17 rounds, branch 1: 6
+
+    script = {0: iter([(2.0, 1.8)] * 15), 1: iter([(1.0, 2.0)] * 5)}  # never resolves: time per round, bounded
+    ms = calibrate.measure(None, {"config": config}, max_new_tokens=17, retries=2)
+    assert ms[0] == pytest.approx(1.8 / 17 * 1e3) and ms[1] == pytest.approx(1.0 / 5 * 1e3)
+    assert calibrate.per_round_ms((1.0, 1), (1.005, 17)) is None  # under 1%: noise, not a cost
 
 
 @pytest.mark.parametrize("kwargs, message", [

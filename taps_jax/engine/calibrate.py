@@ -74,7 +74,7 @@ def forced_run(args, kwargs, branch: int, rounds: int) -> tuple[float, int]:
     return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
 
 
-def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float, ...]:
+def measure(args, kwargs, max_new_tokens: int, repeats: int = 5, retries: int = 3) -> tuple[float, ...]:
     """Milliseconds per round of each branch (least of `repeats`, interleaved across branches).
 
     The generate program itself (no second compile) runs one branch every
@@ -84,6 +84,11 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float,
     machine other work only ever adds time, and a busy moment must not make
     one branch look dearer than the others for as long as the figures stay
     cached. Every branch runs once before the timing (its first run is slow).
+    A branch whose difference is lost in that noise (a round of a small model
+    costs less than the jitter of a loaded machine) is timed `repeats` more
+    times, up to `retries` times; if it is still unresolved, its long run's
+    time per round, prefill included, stands in: an upper bound, never the
+    near-zero cost that would make the policy pick that branch for good.
     """
     budgets = kwargs["config"].adaptive.budgets
 
@@ -96,15 +101,36 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5) -> tuple[float,
     for k in range(len(budgets)):  # compile (the program generate runs) and warm: a branch's first run is slow
         run(k, rounds[k])
     short, long = [[] for _ in budgets], [[] for _ in budgets]
-    for _ in range(repeats):
-        for k in range(len(budgets)):
-            short[k].append(run(k, r1))
-            long[k].append(run(k, rounds[k]))
-    costs = []
-    for k in range(len(budgets)):
-        (t1, n1), (t2, n2) = min(short[k]), min(long[k])
-        costs.append((t2 - t1) / (n2 - n1) * 1e3 if n2 > n1 else t2 / max(n2, 1) * 1e3)
-    return tuple(max(c, 1e-3) for c in costs)
+    costs: list[float | None] = [None] * len(budgets)
+    todo = list(range(len(budgets)))
+    for _ in range(1 + retries):
+        for _ in range(repeats):
+            for k in todo:
+                short[k].append(run(k, r1))
+                long[k].append(run(k, rounds[k]))
+        for k in todo:
+            costs[k] = per_round_ms(min(short[k]), min(long[k]))
+        todo = [k for k in todo if costs[k] is None]
+        if not todo:
+            break
+    for k in todo:
+        t2, n2 = min(long[k])
+        costs[k] = t2 / max(n2, 1) * 1e3
+    return tuple(costs)
+
+
+def per_round_ms(short: tuple[float, int], long: tuple[float, int]) -> float | None:
+    """(t2 - t1) / (n2 - n1) in ms from (seconds, rounds) of a short and a long run; None where noise hides it.
+
+    Resolved means the long run took at least 1% longer than the short one:
+    a smaller (or negative) difference is timing noise, not a round's cost.
+    """
+    (t1, n1), (t2, n2) = short, long
+    if n2 <= n1:
+        return t2 / max(n2, 1) * 1e3
+    if t2 - t1 <= 0.01 * t1:
+        return None
+    return (t2 - t1) / (n2 - n1) * 1e3
 
 
 def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
