@@ -12,8 +12,8 @@ from pathlib import Path
 from taps_jax import load_scorer, load_target
 from taps_jax.sharding import add_mesh_args, positive_int, setup_mesh  # noqa: F401  (re-exported for the CLIs)
 from taps_jax.decoder import DEFAULT_MODEL_DIR, ModelSet, load_drafter
-from taps_jax.engine.adaptive import AdaptiveTable
-from taps_jax.tree.lookup import LookupTable
+from taps_jax.engine.adaptive import TABLE_FILE, AdaptiveTable
+from taps_jax.tree.lookup import LOOKUP_FILE, LookupTable
 from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 
 
@@ -90,17 +90,28 @@ def load_models(args, mesh=None) -> ModelSet:
     target_dir = _part(args, base, args.target, "target")
     drafter_dir, scorer_dir = _part(args, base, args.drafter, "drafter"), _part(args, base, args.scorer, "scorer")
     greedy_dir = _part(args, base, None, "scorer_greedy")
+    tables = _set_tables(args, base, drafter_dir)
     return ModelSet(
         load_target(target_dir, args.dtype, mesh),
         load_drafter(drafter_dir, args.dtype, mesh) if drafter_dir else None,
         load_scorer(scorer_dir) if scorer_dir else None,
         load_scorer(greedy_dir) if greedy_dir and args.scorer is None else None,
         set_name(base) if base is not None and args.drafter is None else None,
-        # The fitted adaptive prior belongs to the set's own drafter.
-        AdaptiveTable.of_set(base) if base is not None and args.drafter is None and drafter_dir else None,
-        # The lookup weights are statistics of the set target's text.
-        LookupTable.of_set(base) if base is not None and args.target is None and not args.no_lookup else None,
+        AdaptiveTable.load(tables["adaptive"]) if tables["adaptive"] else None,
+        LookupTable.load(tables["lookup"]) if tables["lookup"] else None,
     )
+
+
+def _set_tables(args, base, drafter_dir) -> dict[str, Path | None]:
+    """The set's table files a run uses, None where absent or not this run's."""
+    if base is None:
+        return {"adaptive": None, "lookup": None}
+    # The fitted adaptive prior belongs to the set's own drafter; the lookup weights are statistics of the
+    # set target's text.
+    adaptive = Path(base) / TABLE_FILE if args.drafter is None and drafter_dir else None
+    lookup = Path(base) / LOOKUP_FILE if args.target is None and not args.no_lookup else None
+    return {name: path if path is not None and path.is_file() else None
+            for name, path in (("adaptive", adaptive), ("lookup", lookup))}
 
 
 def read_prompts(source, chat: bool = False, limit: int | None = None) -> list:
@@ -171,12 +182,14 @@ def model_part_dirs(args) -> dict[str, Path | None]:
 
     Read without loading anything, so a job can record (and check) its models
     before paying for them. "scorer" is the one --policy taps would use at
-    --temperature; None where a part is absent.
+    --temperature; "adaptive" and "lookup" the set's table files the run
+    reads; None where a part is absent.
     """
     base = _model_base(args)
     scorer = args.scorer
     if scorer is None:
         greedy = _part(args, base, None, "scorer_greedy")
         scorer = greedy if args.temperature == 0 and greedy is not None else _part(args, base, None, "scorer")
-    return {"target": _part(args, base, args.target, "target"), "drafter": _part(args, base, args.drafter, "drafter"),
-            "scorer": scorer}
+    drafter = _part(args, base, args.drafter, "drafter")
+    return {"target": _part(args, base, args.target, "target"), "drafter": drafter, "scorer": scorer,
+            **_set_tables(args, base, drafter)}

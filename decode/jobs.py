@@ -72,6 +72,7 @@ from taps_jax.prompt_file import PromptRecord, prompt_key, read_prompt_file
 
 MANIFEST_FORMAT = "taps-jax-job"
 MANIFEST_VERSION = 1
+SET_TABLES = ("lookup", "adaptive")  # a model set's table files, recorded beside its checkpoint dirs
 # Free disk a job asks for before starting: a generous bound on one result line.
 BYTES_PER_TOKEN, BYTES_PER_LINE = 8, 256
 SAMPLED_BLOCKS, BLOCK_BYTES = 16, 4096
@@ -113,10 +114,14 @@ class Shard:
 class JobSettings:
     """What decides a job's results: recorded in its manifest, and a resume must match it field by field.
 
-    models: part name -> digest (`part_digest` of a checkpoint dir, or `memory_digest`).
-    Settings a run does not use are None, so they cannot block a resume:
-    budget and the drafter for "ar", the scorer outside "taps", top_k, top_p
-    and seed when greedy.
+    models: part name -> digest (`part_digest` of a checkpoint dir or a set's
+    table file, or `memory_digest`). Settings a run does not use are None, so
+    they cannot block a resume: budget and the drafter for "ar", the scorer
+    outside "taps", top_k, top_p and seed when greedy. The set's tables
+    ("lookup": lookup.json, "adaptive": adaptive.json) are kept only for a
+    sampled run that uses them: they shape the trees, so which random draws a
+    sampled run makes, while a greedy run's text is the target's whatever
+    they say (absent, not None, when unused: manifests from before them match).
     """
 
     policy: str
@@ -140,9 +145,11 @@ class JobSettings:
         SamplingConfig(temperature, top_k, top_p)  # bad values fail here, before a manifest records them
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        used = {"target": True, "drafter": policy != "ar", "scorer": policy in ("taps", "adaptive")}
-        models = {name: digest for name, digest in models.items() if used.get(name, True)}
         greedy = temperature == 0
+        used = {"target": True, "drafter": policy != "ar", "scorer": policy in ("taps", "adaptive"),
+                "lookup": policy != "ar" and not greedy, "adaptive": policy == "adaptive" and not greedy}
+        models = {name: digest for name, digest in models.items()
+                  if used.get(name, True) and not (name in SET_TABLES and digest is None)}
         return cls(policy, None if policy == "ar" else budget, models, dtype, max_new_tokens, float(temperature),
                    None if greedy else top_k, None if greedy else float(top_p), None if greedy else seed,
                    True if chat else None)
@@ -242,9 +249,12 @@ def decoder_settings(decoder, max_new_tokens: int, temperature: float = 0.0, top
 
     target, drafter, scorer = decoder.target, decoder.drafter, getattr(decoder, "scorer", None)
     embed = target.model.embed_tokens.embedding.get_value()
+    lookup, table = getattr(decoder, "lookup", None), getattr(decoder, "table", None)
     models = {"target": memory_digest(dataclasses.asdict(target.config), embed_probe(embed), target.eos_ids),
               "drafter": None if drafter is None else memory_digest(dataclasses.asdict(drafter.config)),
-              "scorer": None if scorer is None else memory_digest(dataclasses.asdict(scorer.config), scorer.training)}
+              "scorer": None if scorer is None else memory_digest(dataclasses.asdict(scorer.config), scorer.training),
+              "lookup": None if lookup is None else memory_digest(lookup.agreed, lookup.tried),
+              "adaptive": None if table is None else memory_digest(dataclasses.asdict(table))}
     budget = decoder.tree.budget if decoder.tree is not None else None
     return JobSettings.create(models, decoder.policy, budget, target.config.dtype, max_new_tokens, temperature,
                               top_k, top_p, seed)

@@ -156,6 +156,27 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def test_a_sets_tables_are_recorded_for_the_sampled_runs_they_shape():
+    from decode.cli import build_parser
+    from decode.common import model_part_dirs
+    from taps_jax.model_sets import resolve_set
+
+    dirs = model_part_dirs(build_parser().parse_args(["--model", "smollm2", "--policy", "adaptive"]))
+    assert dirs["lookup"] == resolve_set("smollm2") / "lookup.json" and dirs["adaptive"].name == "adaptive.json"
+    assert model_part_dirs(build_parser().parse_args(["--model", "smollm2", "--no-lookup"]))["lookup"] is None
+    parts = {name: jobs.part_digest(d) for name, d in dirs.items()}
+    assert parts["lookup"] != parts["adaptive"]  # a table file digests like a single-file checkpoint
+
+    def recorded(policy, temperature, **changed):
+        return set(jobs.JobSettings.create(dict(parts, **changed), policy, 8, "float32", 16, temperature).models)
+
+    assert recorded("adaptive", 1.0) == {"target", "drafter", "scorer", "lookup", "adaptive"}
+    assert recorded("ddtree", 1.0) == {"target", "drafter", "lookup"}
+    # Greedy text is the target's whatever the tables say; a table not in use leaves no key (older manifests match).
+    assert recorded("adaptive", 0.0) == recorded("adaptive", 1.0, lookup=None, adaptive=None) \
+        == {"target", "drafter", "scorer"}
+
+
 def test_run_job_refuses_what_is_not_its_own_and_force_new_moves_aside(tmp_path):
     """The API form of the refusals: ValueError, and every file byte-identical (none created)."""
     target, drafter = tiny_pair(VOCAB)
