@@ -75,6 +75,21 @@ def test_prompts_come_from_heldout_defs_and_are_real_source(tmp_path):
     assert rows == [{"prompt": p["prompt"]} for p in prompts]
 
 
+def test_rewrite_prompts_hold_the_whole_function_then_its_signature_again():
+    config = corpus.PromptConfig(kind="rewrite")
+    prompts = corpus.build_prompts("heldout", n=20, seed=0, config=config)
+    files = {p["file"] for p in prompts}
+    signatures = {(p["file"], p["lineno"]): p["prompt"] for f, text in corpus.iter_documents("heldout")
+                  if f.rel in files for p in corpus._function_prompts(f, text, corpus.PromptConfig())}
+    for p in prompts:
+        signature = signatures[(p["file"], p["lineno"])]  # the same def's signature prompt ends it
+        assert p["prompt"].endswith("\n\n" + signature)
+        whole = p["prompt"][: -len(signature) - 2]
+        assert whole.startswith(signature) and 8 <= whole.count("\n") <= 30
+    with pytest.raises(ValueError, match="not one of signature, rewrite"):
+        corpus.PromptConfig(kind="edit")
+
+
 # ---------------------------------------------------------------- tokenizer
 
 

@@ -15,6 +15,7 @@ are skipped and counted, never decoded with replacement characters.
 
     python -m train.corpus                                  # stats per split
     python -m train.corpus --prompts runs/default/prompts_heldout.jsonl
+    python -m train.corpus --root DIR --kind rewrite --prompts rewrite.jsonl   # answers that repeat the prompt
 """
 
 from __future__ import annotations
@@ -79,8 +80,23 @@ def corpus_stats(root: Path | None = None) -> dict[str, SplitStats]:
 
 @dataclasses.dataclass(frozen=True)
 class PromptConfig:
+    """kind "signature": a function's def line(s) and first body line, the model writes the rest.
+    kind "rewrite": a whole function, a blank line, then its signature prompt again: the model writes the
+    function a second time (an edit or refactoring request in miniature; most of the answer repeats text
+    the prompt holds, which is where prompt lookup and trees pay)."""
+
     max_lines: int = 6  # def line(s) + first body line; longer signatures are skipped
     max_chars: int = 400
+    kind: str = "signature"
+    rewrite_lines: tuple[int, int] = (8, 30)  # "rewrite": functions of this many lines, def line included
+    rewrite_chars: int = 1200
+
+    def __post_init__(self):
+        if self.kind not in PROMPT_KINDS:
+            raise ValueError(f"prompt kind {self.kind!r} is not one of {', '.join(PROMPT_KINDS)}")
+
+
+PROMPT_KINDS = ("signature", "rewrite")
 
 
 def source_lines(text: str) -> list[str]:
@@ -93,7 +109,8 @@ def source_lines(text: str) -> list[str]:
 
 
 def _function_prompts(f: SourceFile, text: str, config: PromptConfig) -> list[dict]:
-    """One prompt per plain `def`: source lines from `def` through the first body line, dedented."""
+    """One prompt per plain `def`: source lines from `def` through the first body line, dedented (a "rewrite"
+    prompt puts the whole function before them)."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):  # the test suite holds deliberately broken files
@@ -119,6 +136,15 @@ def _function_prompts(f: SourceFile, text: str, config: PromptConfig) -> list[di
             prompt += "\n"
         if len(block) > config.max_lines or len(prompt) > config.max_chars:
             continue
+        if config.kind == "rewrite":
+            whole = lines[first - 1 : node.end_lineno]
+            low, high = config.rewrite_lines
+            if not low <= len(whole) <= high or not all(line.startswith(indent) or not line.strip() for line in whole):
+                continue
+            body = "".join(line[len(indent) :] if line.strip() else "\n" for line in whole).rstrip("\n") + "\n"
+            if len(body) > config.rewrite_chars:
+                continue
+            prompt = body + "\n\n" + prompt
         prompts.append({"prompt": prompt, "file": f.rel, "lineno": first, "indent": indent})
     return prompts
 
@@ -173,10 +199,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="a tree of .py files other than the stdlib (e.g. an installed package: code no "
                              "shipped model was trained on)")
     parser.add_argument("--split", choices=SPLITS, default="heldout", help="split of the prompts (default heldout)")
+    parser.add_argument("--kind", choices=PROMPT_KINDS, default="signature",
+                        help="signature: def line(s) + first body line; rewrite: a whole function of 8 to 30 lines, "
+                             "then its signature again, so the answer repeats the prompt (default signature)")
     args = parser.parse_args(argv)
+    config = PromptConfig(kind=args.kind)
     if args.root is not None:
         try:
-            prompts = build_prompts(args.split, n=args.n, seed=args.seed, root=args.root)
+            prompts = build_prompts(args.split, n=args.n, seed=args.seed, config=config, root=args.root)
         except ValueError as e:
             raise SystemExit(f"python -m train.corpus: error: {e}") from None
         write_prompts_jsonl(args.prompts or Path("prompts.jsonl"), prompts)
@@ -187,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     for split, s in corpus_stats().items():
         print(f"{split:>10}: {s.files:5d} files {s.bytes / 1e6:8.2f} MB  ({s.skipped} skipped: not UTF-8)")
     if args.prompts:
-        prompts = build_prompts(args.split, n=args.n, seed=args.seed)
+        prompts = build_prompts(args.split, n=args.n, seed=args.seed, config=config)
         write_prompts_jsonl(args.prompts, prompts)
         print(f"wrote {len(prompts)} prompts to {args.prompts}")
 
