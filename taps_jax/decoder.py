@@ -16,7 +16,7 @@ from taps_jax.calls import STREAM_CHUNK, GenerateCall, Programs
 from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
-from taps_jax.engine.adaptive import AdaptiveConfig, AdaptiveTable
+from taps_jax.engine.adaptive import AdaptiveConfig, AdaptiveTable, only_ar
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import check_call, check_lengths, pad_batch
 from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING
@@ -180,6 +180,7 @@ class SpeculativeDecoder:
         # first call starts from the fitted table (a model set's adaptive.json) when there is one.
         self._priors = {}
         self._measured, self._device_costs = {}, {}  # costs per call shape; costs placed on device
+        self._ar_only = {}  # (prior, costs, max_new_tokens) -> whether every round would be an AR step
         self._no_force, self._no_limit = (jnp.int32(-1), jnp.int32(2**30)) if self.adaptive else (None, None)
         if policy == "taps" or (policy == "adaptive" and scorer is not None):
             if scorer is None:
@@ -269,15 +270,39 @@ class SpeculativeDecoder:
             self.branch_costs = tuple(costs)  # the last call's, for reports
             if self.branch_costs not in self._device_costs:  # placed once: a host array is copied every call
                 self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)
+            prior = self._prior(sampling)
+            if self._only_ar(prior, max_new_tokens):
+                return self._ar_call(prompts, max_new_tokens, options)
             # No forced branch, no round limit (a round emits at least one token): device constants, of the
             # same kinds as the calibration passes (`calibrate.measure`), so one program serves both.
             kwargs.update(costs_K=self._device_costs[self.branch_costs], force=self._no_force,
-                          max_rounds=self._no_limit, prior=self._prior(sampling))
+                          max_rounds=self._no_limit, prior=prior)
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
                             ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
         prior_key = (sampling, self.branch_costs) if self.adaptive is not None else None
         return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), prior_key), mesh,
                             estimate)
+
+    def _only_ar(self, prior: np.ndarray, max_new_tokens: int) -> bool:
+        """`adaptive.only_ar` for this call, remembered per (prior, costs, length): its few small ops, once."""
+        key = (np.asarray(prior).tobytes(), self.branch_costs, max_new_tokens)
+        if key not in self._ar_only:
+            self._ar_only[key] = only_ar(prior, self.branch_costs, self.adaptive, max_new_tokens)
+        return self._ar_only[key]
+
+    def _ar_call(self, prompts, max_new_tokens: int, options: dict) -> GenerateCall:
+        """The target's AR call for an adaptive call whose every round would be an AR step (`only_ar`): the
+        same tokens (greedy) or law (sampled), the adaptive stats (every round budget 0), estimates unchanged."""
+        call = self.target.prepare(prompts, max_new_tokens, **options)
+
+        def finish(outputs):
+            result = call.finish(outputs)
+            rounds = [max(len(t) - 1, 0) for t in result.tokens]  # the first token comes with the prefill
+            result.stats.update(rounds=rounds, accepted_lengths=[[1] * r for r in rounds],
+                                tau=1.0, budgets=[0] * max(rounds, default=0))
+            return result
+
+        return dataclasses.replace(call, finish=finish)
 
     def _prior(self, sampling: SamplingConfig) -> np.ndarray:
         """[2, Q, K] statistics a call starts from: the last call's (same sampling and costs), else the table's."""

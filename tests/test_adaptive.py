@@ -302,6 +302,34 @@ def test_the_choice_follows_the_text(models, shipped_table):
             assert budgets[:8] == [0] * 8, budgets
 
 
+def test_a_call_where_no_tree_can_pay_runs_the_ar_program(models, shipped_table):
+    """Trees dearer than their best bucket's yield and no probe due: the AR program itself, same tokens."""
+    from taps_jax.engine.adaptive import only_ar
+
+    config = AdaptiveConfig.for_budget(16)
+    prior = shipped_table.prior(config, greedy=True)
+    means = shipped_table.means("greedy")[:, [shipped_table.budgets.index(b) for b in config.budgets]]
+    best = float(np.nanmax(means[:, 1:]))  # the most any of these trees yields, in any bucket
+    dear, cheap = (1.0,) + (1.2 * best,) * 4, (1.0,) + (0.8 * best,) * 4
+    assert only_ar(prior, dear, config, 64)
+    assert not only_ar(prior, cheap, config, 64)  # a long match makes a tree the better round
+    wait = dear[-1] / config.probe_fraction  # what the call spends before its first probe
+    assert not only_ar(prior, dear, config, int(wait) + 1)  # a call that long probes: not all AR
+    assert not only_ar(config.empty_prior(), dear, config, 64)  # nothing known: round 0 probes
+
+    prompts = [models.target.tokenizer.encode("    self.a = a\n    self.b = b\n" * 8 + "    self.a"), [5, 6, 7, 8]]
+    want = models.target.generate(prompts, 24)
+    dec = models.decoder("adaptive", 16, costs=dear)
+    before = spec_generate._cache_size()
+    got = dec.generate(prompts, 24)
+    assert spec_generate._cache_size() == before  # the AR program ran, not the speculative one
+    assert got.tokens == want.tokens and got.stats["tau"] == 1.0
+    assert got.stats["budgets"] == [0] * 23 and got.stats["rounds"] == [23, 23]
+    # Trees at a cost the repeated text's bucket pays for: the speculative program, and its first round a tree.
+    cheap = (1.0,) + (0.5 * float(means[-1, -1]),) * 4
+    assert models.decoder("adaptive", 16, costs=cheap).generate(prompts[:1], 24).stats["budgets"][0] > 0
+
+
 def test_fit_counts_every_round(models):
     from train.adaptive_table import fit_kind
 

@@ -168,6 +168,27 @@ def choose(st: AdaptiveState, q_B, running_B, costs_K, config: AdaptiveConfig) -
     return jnp.where(probe, K - 1, best_branch(st, q_B, running_B, costs_K)), probe
 
 
+def only_ar(prior, costs_K, config: AdaptiveConfig, max_new_tokens: int) -> bool:
+    """Whether a call starting from `prior` would make every round an AR step, whatever its text says.
+
+    True when every branch has an estimate (no first-round probe), the call
+    cannot spend enough to make a probe due (at most max_new_tokens AR steps),
+    and in no signal bucket does any tree's expected accepted length per cost
+    beat an AR step's one token per cost: AR rounds change no estimate, so
+    the choice can never move. The decoder then runs the AR program itself,
+    which carries no drafter context or tap queue (on a CPU at batch 8, where
+    a tree round costs 6 to 12 AR steps, that is the whole call).
+    """
+    if config.force_cycle:
+        return False
+    costs_K = jnp.asarray(costs_K, jnp.float32)
+    st = AdaptiveState.init(1, config, prior, costs_K)
+    if not bool(jnp.all(jnp.sum(st.count_QK, axis=0)[1:] > 0)) or max_new_tokens * costs_K[0] >= st.wait:
+        return False
+    e_QK = expected_BK(st, jnp.arange(config.match_buckets))
+    return bool(jnp.all(e_QK[:, 1:] / costs_K[1:] <= 1.0 / costs_K[0]))
+
+
 def update(st: AdaptiveState, k, probe, accepted_BK, running_B, q_B, costs_K, config: AdaptiveConfig) -> AdaptiveState:
     """Fold one round into the statistics.
 
