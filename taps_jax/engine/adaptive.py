@@ -93,6 +93,11 @@ class AdaptiveConfig:
         return np.zeros((2, self.match_buckets, len(self.budgets)), np.float32)
 
 
+def every_tree_seen(count_QK) -> jax.Array:
+    """Whether every tree branch has an observation in some bucket (else the first round probes)."""
+    return jnp.all(jnp.sum(count_QK, axis=0)[1:] > 0)
+
+
 @flax.struct.dataclass
 class AdaptiveState:
     sum_QK: jax.Array  # [Q, K] f32 decayed sum of accepted lengths (root included) per signal bucket and branch
@@ -112,7 +117,7 @@ class AdaptiveState:
         scale_QK = jnp.minimum(1.0, config.prior_weight / jnp.maximum(prior[1], 1e-9))
         count_QK = (prior[1] * scale_QK).at[:, 0].set(0.0)
         sum_QK = (prior[0] * scale_QK).at[:, 0].set(0.0)
-        known = jnp.all(jnp.sum(count_QK, axis=0)[1:] > 0)
+        known = every_tree_seen(count_QK)
         return cls(
             sum_QK=sum_QK,
             count_QK=count_QK,
@@ -163,7 +168,7 @@ def choose(st: AdaptiveState, q_B, running_B, costs_K, config: AdaptiveConfig) -
     if config.force_cycle:  # largest first, then each smaller one down to the AR step, and again
         k = (K - 1 - st.round % K).astype(jnp.int32)
         return k, k == K - 1
-    unseen = ~jnp.all(jnp.sum(st.count_QK, axis=0)[1:] > 0)
+    unseen = ~every_tree_seen(st.count_QK)
     probe = ((st.round == 0) & unseen) | (st.spent >= st.wait)
     return jnp.where(probe, K - 1, best_branch(st, q_B, running_B, costs_K)), probe
 
@@ -183,7 +188,7 @@ def only_ar(prior, costs_K, config: AdaptiveConfig, max_new_tokens: int) -> bool
         return False
     costs_K = jnp.asarray(costs_K, jnp.float32)
     st = AdaptiveState.init(1, config, prior, costs_K)
-    if not bool(jnp.all(jnp.sum(st.count_QK, axis=0)[1:] > 0)) or max_new_tokens * costs_K[0] >= st.wait:
+    if not bool(every_tree_seen(st.count_QK)) or max_new_tokens * costs_K[0] >= st.wait:
         return False
     e_QK = expected_BK(st, jnp.arange(config.match_buckets))
     return bool(jnp.all(e_QK[:, 1:] / costs_K[1:] <= 1.0 / costs_K[0]))

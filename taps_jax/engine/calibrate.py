@@ -114,9 +114,14 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5, retries: int = 
         if not todo:
             break
     for k in todo:
-        t2, n2 = min(long[k])
-        costs[k] = t2 / max(n2, 1) * 1e3
+        costs[k] = whole_run_ms(min(long[k]))
     return tuple(costs)
+
+
+def whole_run_ms(run: tuple[float, int]) -> float:
+    """ms per round of a (seconds, rounds) run, prefill included: an upper bound on a round's cost."""
+    t, n = run
+    return t / max(n, 1) * 1e3
 
 
 def per_round_ms(short: tuple[float, int], long: tuple[float, int]) -> float | None:
@@ -127,7 +132,7 @@ def per_round_ms(short: tuple[float, int], long: tuple[float, int]) -> float | N
     """
     (t1, n1), (t2, n2) = short, long
     if n2 <= n1:
-        return t2 / max(n2, 1) * 1e3
+        return whole_run_ms(long)
     if t2 - t1 <= 0.01 * t1:
         return None
     return (t2 - t1) / (n2 - n1) * 1e3
