@@ -16,10 +16,11 @@ from taps_jax.calls import STREAM_CHUNK, GenerateCall, Programs
 from taps_jax.checkpoints.dflash import _no_prefix, load_drafter_module, read_drafter_config, save_drafter
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
 from taps_jax.config import DrafterConfig
-from taps_jax.engine.adaptive import AdaptiveConfig, AdaptiveTable, only_ar
+from taps_jax.engine.adaptive import (AdaptiveConfig, AdaptiveTable, after_ar_steps, probe_due, start_clock,
+                                     trees_never_pay)
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import check_call, check_lengths, pad_batch
-from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING
+from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK, RUNNING
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.engine.static import StaticGraph
@@ -176,11 +177,11 @@ class SpeculativeDecoder:
         self.lookup = lookup
         self.adaptive, self.costs = (adaptive, costs) if policy == "adaptive" else (None, None)
         self.table = table if policy == "adaptive" else None
-        # Each call's final statistics start the next call with the same sampling settings and costs; the
-        # first call starts from the fitted table (a model set's adaptive.json) when there is one.
+        # Each call's final statistics and probe clock start the next call with the same sampling settings and
+        # costs; the first call starts from the fitted table (a model set's adaptive.json) when there is one.
         self._priors = {}
         self._measured, self._device_costs = {}, {}  # costs per call shape; costs placed on device
-        self._ar_only = {}  # (prior, costs, max_new_tokens) -> whether every round would be an AR step
+        self._never_pay = {}  # (prior, costs) -> `trees_never_pay`
         self._no_force, self._no_limit = (jnp.int32(-1), jnp.int32(2**30)) if self.adaptive else (None, None)
         if policy == "taps" or (policy == "adaptive" and scorer is not None):
             if scorer is None:
@@ -270,29 +271,30 @@ class SpeculativeDecoder:
             self.branch_costs = tuple(costs)  # the last call's, for reports
             if self.branch_costs not in self._device_costs:  # placed once: a host array is copied every call
                 self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)
-            prior = self._prior(sampling)
-            if self._only_ar(prior, max_new_tokens):
-                return self._ar_call(prompts, max_new_tokens, options)
+            key = (sampling, self.branch_costs)
+            prior, clock = self._start(key, sampling)
+            if not probe_due(clock, self.branch_costs, max_new_tokens) and self._trees_never_pay(prior):
+                return self._ar_call(prompts, max_new_tokens, options, key)
             # No forced branch, no round limit (a round emits at least one token): device constants, of the
             # same kinds as the calibration passes (`calibrate.measure`), so one program serves both.
             kwargs.update(costs_K=self._device_costs[self.branch_costs], force=self._no_force,
-                          max_rounds=self._no_limit, prior=prior)
+                          max_rounds=self._no_limit, prior=prior, clock=clock)
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
                             ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
-        prior_key = (sampling, self.branch_costs) if self.adaptive is not None else None
-        return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), prior_key), mesh,
-                            estimate)
+        key = (sampling, self.branch_costs) if self.adaptive is not None else None
+        return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), key), mesh, estimate)
 
-    def _only_ar(self, prior: np.ndarray, max_new_tokens: int) -> bool:
-        """`adaptive.only_ar` for this call, remembered per (prior, costs, length): its few small ops, once."""
-        key = (np.asarray(prior).tobytes(), self.branch_costs, max_new_tokens)
-        if key not in self._ar_only:
-            self._ar_only[key] = only_ar(prior, self.branch_costs, self.adaptive, max_new_tokens)
-        return self._ar_only[key]
+    def _trees_never_pay(self, prior: np.ndarray) -> bool:
+        """`adaptive.trees_never_pay` remembered per (prior, costs): its few small ops, once."""
+        key = (np.asarray(prior).tobytes(), self.branch_costs)
+        if key not in self._never_pay:
+            self._never_pay[key] = trees_never_pay(prior, self.branch_costs, self.adaptive)
+        return self._never_pay[key]
 
-    def _ar_call(self, prompts, max_new_tokens: int, options: dict) -> GenerateCall:
-        """The target's AR call for an adaptive call whose every round would be an AR step (`only_ar`): the
-        same tokens (greedy) or law (sampled), the adaptive stats (every round budget 0), estimates unchanged."""
+    def _ar_call(self, prompts, max_new_tokens: int, options: dict, key) -> GenerateCall:
+        """The target's AR call for an adaptive call whose every round would be an AR step (no probe due, trees
+        never pay): the same tokens (greedy) or law (sampled), the adaptive stats (every round budget 0),
+        estimates unchanged, the probe clock advanced by the AR steps' cost."""
         call = self.target.prepare(prompts, max_new_tokens, **options)
 
         def finish(outputs):
@@ -300,20 +302,26 @@ class SpeculativeDecoder:
             rounds = [max(len(t) - 1, 0) for t in result.tokens]  # the first token comes with the prefill
             result.stats.update(rounds=rounds, accepted_lengths=[[1] * r for r in rounds],
                                 tau=1.0, budgets=[0] * max(rounds, default=0))
+            if FINISH_NAMES[RUNNING] not in result.finish_reasons:
+                prior, clock = self._priors[key]
+                self._priors[key] = prior, after_ar_steps(clock, self.branch_costs, max(rounds, default=0))
             return result
 
         return dataclasses.replace(call, finish=finish)
 
-    def _prior(self, sampling: SamplingConfig) -> np.ndarray:
-        """[2, Q, K] statistics a call starts from: the last call's (same sampling and costs), else the table's."""
-        prior = self._priors.get((sampling, self.branch_costs))
-        if prior is None:
+    def _start(self, key, sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+        """([2, Q, K] statistics, [3] probe clock) a call starts from: the last finished call's (same sampling and
+        costs), else the fitted table's (or none) and the first call's clock (`adaptive.start_clock`)."""
+        if key not in self._priors:
             prior = self.adaptive.empty_prior() if self.table is None else self.table.prior(self.adaptive,
                                                                                             sampling.greedy)
-        return prior
+            clock = np.asarray(start_clock(self.adaptive, prior, jnp.asarray(self.branch_costs, jnp.float32)),
+                               np.float32)
+            self._priors[key] = prior, clock
+        return self._priors[key]
 
-    def _result(self, outputs, count: int, prior_key=None) -> GenerateResult:
-        out, n, finish, rounds, accepted, branch, est = outputs
+    def _result(self, outputs, count: int, key=None) -> GenerateResult:
+        out, n, finish, rounds, accepted, branch, est, clock = outputs
         rounds, accepted = rounds[:count], accepted[:count]
         per_round = [accepted[b, : rounds[b]].tolist() for b in range(count)]
         total_rounds = int(rounds.sum())
@@ -325,8 +333,8 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             # One branch per round for the whole batch: the budget each round verified (0 = an AR step).
             stats["budgets"] = [self.adaptive.budgets[k] for k in branch.tolist() if k >= 0]
-            if (finish[:count] != RUNNING).all():  # a finished call's statistics are the next call's prior
-                self._priors[prior_key] = np.asarray(est, np.float32)
+            if (finish[:count] != RUNNING).all():  # a finished call's statistics and clock start the next call
+                self._priors[key] = np.asarray(est, np.float32), np.asarray(clock, np.float32)
         return self.target._result(out, n, finish, count, stats)
 
     def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:

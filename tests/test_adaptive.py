@@ -13,7 +13,8 @@ from spec_helpers import assert_follows, tiny_pair
 from taps_helpers import random_scorer, sharp_pair
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
 from taps_jax.engine import calibrate
-from taps_jax.engine.adaptive import AdaptiveConfig, accepted_by_budget, tree_ranks
+from taps_jax.engine.adaptive import (AdaptiveConfig, accepted_by_budget, after_ar_steps, probe_due, start_clock,
+                                     tree_ranks, trees_never_pay)
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.tree.policies import TreeConfig, draft_tree
 
@@ -304,18 +305,18 @@ def test_the_choice_follows_the_text(models, shipped_table):
 
 def test_a_call_where_no_tree_can_pay_runs_the_ar_program(models, shipped_table):
     """Trees dearer than their best bucket's yield and no probe due: the AR program itself, same tokens."""
-    from taps_jax.engine.adaptive import only_ar
-
     config = AdaptiveConfig.for_budget(16)
     prior = shipped_table.prior(config, greedy=True)
-    means = shipped_table.means("greedy")[:, [shipped_table.budgets.index(b) for b in config.budgets]]
-    best = float(np.nanmax(means[:, 1:]))  # the most any of these trees yields, in any bucket
-    dear, cheap = (1.0,) + (1.2 * best,) * 4, (1.0,) + (0.8 * best,) * 4
-    assert only_ar(prior, dear, config, 64)
-    assert not only_ar(prior, cheap, config, 64)  # a long match makes a tree the better round
-    wait = dear[-1] / config.probe_fraction  # what the call spends before its first probe
-    assert not only_ar(prior, dear, config, int(wait) + 1)  # a call that long probes: not all AR
-    assert not only_ar(config.empty_prior(), dear, config, 64)  # nothing known: round 0 probes
+    means, dear = _dear_costs(shipped_table, config)
+    cheap = (1.0,) + (0.8 * float(np.nanmax(means[:, 1:])),) * 4
+    assert trees_never_pay(prior, dear, config)
+    assert not trees_never_pay(prior, cheap, config)  # a long match makes a tree the better round
+    assert not trees_never_pay(config.empty_prior(), dear, config)  # nothing known: round 0 probes
+    clock = np.asarray(start_clock(config, prior, jnp.asarray(dear)))
+    wait = dear[-1] / config.probe_fraction  # what a decoder spends before its first probe
+    assert clock.tolist() == pytest.approx([0.0, wait, 0.0])
+    assert not probe_due(clock, dear, 64) and probe_due(clock, dear, int(wait) + 1)  # a call that long probes
+    assert probe_due(after_ar_steps(clock, dear, int(wait) - 63), dear, 64)  # so does one after that much spent
 
     prompts = [models.target.tokenizer.encode("    self.a = a\n    self.b = b\n" * 8 + "    self.a"), [5, 6, 7, 8]]
     want = models.target.generate(prompts, 24)
@@ -328,6 +329,37 @@ def test_a_call_where_no_tree_can_pay_runs_the_ar_program(models, shipped_table)
     # Trees at a cost the repeated text's bucket pays for: the speculative program, and its first round a tree.
     cheap = (1.0,) + (0.5 * float(means[-1, -1]),) * 4
     assert models.decoder("adaptive", 16, costs=cheap).generate(prompts[:1], 24).stats["budgets"][0] > 0
+
+
+def _dear_costs(table, config):
+    """(the table's mean accepted lengths for config's budgets, costs at which no tree pays in any bucket)."""
+    means = table.means("greedy")[:, [table.budgets.index(b) for b in config.budgets]]
+    best = float(np.nanmax(means[:, 1:]))  # the most any of these trees yields, in any bucket
+    return means, (1.0,) + (1.2 * best,) * (len(config.budgets) - 1)
+
+
+def test_the_probe_schedule_runs_across_calls(models, shipped_table):
+    """Calls too short to reach a probe on their own still probe, at the pace of the decoder's whole life: each
+    call's AR steps add to the cost spent, and the call that reaches the wait probes where the clock says."""
+    config = AdaptiveConfig.for_budget(16)
+    _, dear = _dear_costs(shipped_table, config)
+    wait = dear[-1] / config.probe_fraction  # about 20 x 1.2 x 8 AR steps: several 24-token calls
+    dec = models.decoder("adaptive", 16, costs=dear)
+    prompt = [models.target.tokenizer.encode("def area(width, height):\n")]
+    want = models.target.generate(prompt, 24).tokens
+    spent, before = 0.0, spec_generate._cache_size()
+    while spent + 24 < wait:  # no probe due within the call: the AR program, 23 AR steps spent
+        got = dec.generate(prompt, 24)
+        assert got.tokens == want and got.stats["budgets"] == [0] * 23
+        spent += 23
+    assert spent > 0 and spec_generate._cache_size() == before
+    got = dec.generate(prompt, 24)  # this one reaches the wait: the speculative program, a probe where it is due
+    assert got.tokens == want
+    first = next(i for i, b in enumerate(got.stats["budgets"]) if b > 0)
+    assert got.stats["budgets"][first] == 16 and abs(first - (wait - spent)) <= 1, (got.stats["budgets"], wait)
+    # The wait starts again from the probe (at least a full period): the next call is AR's program again.
+    again = dec.generate(prompt, 24)
+    assert again.tokens == want and again.stats["budgets"] == [0] * 23
 
 
 def test_fit_counts_every_round(models):

@@ -27,8 +27,9 @@ have accepted from the same draft and target samples: the accepted path's
 nodes ranked below m. Larger budgets are re-measured by probing the largest
 branch once the cost spent since its last run exceeds cost_max /
 probe_fraction (so probing costs at most about that fraction), the wait
-doubling each time a probe leaves the choice unchanged. Without any prior
-the first round probes it. An AR choice runs AR steps until the signal
+doubling each time a probe leaves the choice unchanged; that clock carries
+from call to call like the table (`clock`), so short calls probe at the pace
+of a decoder's life. Without any prior the first round probes it. An AR choice runs AR steps until the signal
 changes the choice or a probe is due (`speculative.ar_run`).
 """
 
@@ -109,26 +110,43 @@ class AdaptiveState:
     branch_R: jax.Array  # [R] int32 branch index of each round (-1: none)
 
     @classmethod
-    def init(cls, rounds: int, config: AdaptiveConfig, prior=None, costs_K=None) -> AdaptiveState:
-        """prior: [2, Q, K] (sums, counts) to start from (e.g. a fitted table or the previous call's); None: none."""
+    def init(cls, rounds: int, config: AdaptiveConfig, prior=None, costs_K=None, clock=None) -> AdaptiveState:
+        """prior: [2, Q, K] (sums, counts) to start from (e.g. a fitted table or the previous call's); None: none.
+
+        clock: [3] (spent, wait, backoff) of the probe schedule, carried from
+        the previous call (`clock`) so that the probes keep their pace over a
+        decoder's life, not restarting with each call; None: `start_clock`.
+        """
         Q, K = config.match_buckets, len(config.budgets)
         prior = jnp.zeros((2, Q, K), jnp.float32) if prior is None else jnp.asarray(prior, jnp.float32)
         # The prior counts as at most prior_weight observations per cell (its mean kept).
         scale_QK = jnp.minimum(1.0, config.prior_weight / jnp.maximum(prior[1], 1e-9))
         count_QK = (prior[1] * scale_QK).at[:, 0].set(0.0)
         sum_QK = (prior[0] * scale_QK).at[:, 0].set(0.0)
-        known = every_tree_seen(count_QK)
+        clock = start_clock(config, prior, costs_K) if clock is None else jnp.asarray(clock, jnp.float32)
         return cls(
             sum_QK=sum_QK,
             count_QK=count_QK,
-            spent=jnp.zeros((), jnp.float32),
-            # With every branch estimated (a prior) the first probe waits a full period; else round 0 probes.
-            wait=jnp.where(known, costs_K[-1] / config.probe_fraction, 0.0)
-            if costs_K is not None else jnp.zeros((), jnp.float32),
-            backoff=jnp.zeros((), jnp.int32),
+            spent=clock[0],
+            wait=clock[1],
+            backoff=clock[2].astype(jnp.int32),
             round=jnp.zeros((), jnp.int32),
             branch_R=jnp.full((rounds,), -1, jnp.int32),
         )
+
+
+def start_clock(config: AdaptiveConfig, prior=None, costs_K=None) -> jax.Array:
+    """[3] (spent, wait, backoff) of a decoder's first call: with every tree branch estimated by the prior the
+    first probe waits a full period (cost_max / probe_fraction); else (or without costs) round 0 probes."""
+    known = prior is not None and costs_K is not None
+    wait = jnp.where(every_tree_seen(jnp.asarray(prior, jnp.float32)[1]), costs_K[-1] / config.probe_fraction,
+                     0.0) if known else 0.0
+    return jnp.stack([jnp.float32(0.0), jnp.asarray(wait, jnp.float32), jnp.float32(0.0)])
+
+
+def clock(st: AdaptiveState) -> jax.Array:
+    """[3] (spent, wait, backoff) at the end of a call: where the next call's probe schedule resumes."""
+    return jnp.stack([st.spent, st.wait, st.backoff.astype(jnp.float32)])
 
 
 # ----------------------------------------------------------------------------- the signal
@@ -173,25 +191,39 @@ def choose(st: AdaptiveState, q_B, running_B, costs_K, config: AdaptiveConfig) -
     return jnp.where(probe, K - 1, best_branch(st, q_B, running_B, costs_K)), probe
 
 
-def only_ar(prior, costs_K, config: AdaptiveConfig, max_new_tokens: int) -> bool:
-    """Whether a call starting from `prior` would make every round an AR step, whatever its text says.
+def trees_never_pay(prior, costs_K, config: AdaptiveConfig) -> bool:
+    """Whether a call starting from `prior` can run a tree only as a probe, whatever its text says.
 
-    True when every branch has an estimate (no first-round probe), the call
-    cannot spend enough to make a probe due (at most max_new_tokens AR steps),
-    and in no signal bucket does any tree's expected accepted length per cost
-    beat an AR step's one token per cost: AR rounds change no estimate, so
-    the choice can never move. The decoder then runs the AR program itself,
-    which carries no drafter context or tap queue (on a CPU at batch 8, where
-    a tree round costs 6 to 12 AR steps, that is the whole call).
+    True when every branch has an estimate (no first-round probe) and in no
+    signal bucket does any tree's expected accepted length per cost beat an
+    AR step's one token per cost: AR rounds change no estimate, so the choice
+    can never move. With no probe due within the call (`probe_due`) every
+    round is an AR step, and the decoder runs the AR program itself, which
+    carries no drafter context or tap queue (on a CPU at batch 8, where a
+    tree round costs 6 to 12 AR steps, that is the whole call).
     """
     if config.force_cycle:
         return False
     costs_K = jnp.asarray(costs_K, jnp.float32)
     st = AdaptiveState.init(1, config, prior, costs_K)
-    if not bool(every_tree_seen(st.count_QK)) or max_new_tokens * costs_K[0] >= st.wait:
+    if not bool(every_tree_seen(st.count_QK)):
         return False
     e_QK = expected_BK(st, jnp.arange(config.match_buckets))
     return bool(jnp.all(e_QK[:, 1:] / costs_K[1:] <= 1.0 / costs_K[0]))
+
+
+def probe_due(clock, costs_K, max_new_tokens: int) -> bool:
+    """Whether a call starting at `clock` could reach its probe: its spent cost plus at most max_new_tokens AR
+    steps reaches the wait (host floats: no device work)."""
+    spent, wait = float(clock[0]), float(clock[1])
+    return spent + max_new_tokens * float(costs_K[0]) >= wait
+
+
+def after_ar_steps(clock, costs_K, steps: int) -> np.ndarray:
+    """[3] the clock after `steps` AR rounds run outside the adaptive program (they add to the cost spent)."""
+    out = np.array(clock, np.float32)
+    out[0] += steps * float(costs_K[0])
+    return out
 
 
 def update(st: AdaptiveState, k, probe, accepted_BK, running_B, q_B, costs_K, config: AdaptiveConfig) -> AdaptiveState:

@@ -66,9 +66,10 @@ def cost_key(args, kwargs) -> str:
 def forced_run(args, kwargs, branch: int, rounds: int) -> tuple[float, int]:
     """(seconds, rounds run) of `spec_generate` forced to one branch and stopped after `rounds` rounds."""
     budgets = kwargs["config"].adaptive.budgets
-    # Device arrays and a host prior, as `SpeculativeDecoder.prepare` passes them: the same jit entry.
+    # Device arrays and a host prior and clock, as `SpeculativeDecoder.prepare` passes them: the same jit entry.
     kw = dict(kwargs, costs_K=jnp.ones(len(budgets), jnp.float32), force=jnp.int32(branch),
-              max_rounds=jnp.int32(rounds), prior=kwargs["config"].adaptive.empty_prior())
+              max_rounds=jnp.int32(rounds), prior=kwargs["config"].adaptive.empty_prior(),
+              clock=np.zeros(3, np.float32))
     start = time.perf_counter()
     out = jax.block_until_ready(spec.spec_generate(*args, **kw))
     return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())

@@ -415,12 +415,13 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
 # rounds) run the same prefill and loop body in pieces.
 
 
-def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig, costs_K, prior):
+def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig, costs_K, prior,
+                clock):
     state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
     if config.adaptive is None:
         return state
     st = adapt.AdaptiveState.init(config.decode.max_new_tokens, config.adaptive, prior,
-                                  jnp.asarray(costs_K, jnp.float32))
+                                  jnp.asarray(costs_K, jnp.float32), clock)
     return state, st
 
 
@@ -429,15 +430,17 @@ def _round_limit(max_rounds, config: SpecConfig):
 
 
 def spec_outputs(carry, config: SpecConfig):
-    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [2, Q, K])."""
+    """(tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates [2, Q, K],
+    clock [3]); the last three adaptive only (else -1s and empty)."""
     N = config.decode.max_new_tokens
     if config.adaptive is None:
-        state, branch_R, est_K = carry, jnp.full((N,), -1, jnp.int32), jnp.zeros((0,), jnp.float32)
+        state, branch_R = carry, jnp.full((N,), -1, jnp.int32)
+        est_K = clock_3 = jnp.zeros((0,), jnp.float32)
     else:
         state, st = carry
-        branch_R, est_K = st.branch_R, adapt.estimates(st)
+        branch_R, est_K, clock_3 = st.branch_R, adapt.estimates(st), adapt.clock(st)
     return (state.out_BN[:, :N], state.generated_B, state.finish_B, state.rounds_B, state.accepted_BR, branch_R,
-            est_K)
+            est_K, clock_3)
 
 
 _STATIC = ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef")
@@ -447,9 +450,9 @@ _STATIC = ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef")
 def spec_generate(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None, clock=None,
 ):
-    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates).
+    """Returns (tokens [B, N], generated [B], finish [B], rounds [B], accepted [B, R], branch [R], estimates, clock).
 
     scorer_graphdef/scorer_params: the TAPS scorer (`nnx.split` of a
     `taps_jax.tree.scorer.Scorer`), required by policy "taps" (and adaptive
@@ -461,11 +464,13 @@ def spec_generate(
     prior / estimates: adaptive only, [2, Q, K] sums and counts of accepted
     lengths per signal bucket and branch that the loop starts from (zeros:
     none) / ends with (the next call's prior; `taps_jax.engine.adaptive`).
+    clock: adaptive only, [3] (spent, wait, backoff) of the probe schedule the
+    loop starts from (None: a decoder's first call) / ends with.
     """
     target, drafter, scorer = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    carry = start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior)
+    carry = start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior, clock)
     if config.adaptive is None:
         carry = jax.lax.while_loop(running, lambda s: round_step(target, drafter, scorer, s, config), carry)
     else:
@@ -478,19 +483,19 @@ def spec_generate(
 def spec_start(
     target_graphdef, target_params, drafter_graphdef, drafter_params,
     prompt_BT, prompt_len_B, active_B, key, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None, clock=None,
 ):
     """`spec_generate`'s prefill: the loop carry before the first round."""
     target, drafter, _ = _merge(
         target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
     )
-    return start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior)
+    return start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, costs_K, prior, clock)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
 def spec_advance(
     target_graphdef, target_params, drafter_graphdef, drafter_params, carry, rounds, *, config: SpecConfig,
-    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None, clock=None,
 ):
     """At most `rounds` more rounds of `spec_generate`'s loop (same body, same order)."""
     target, drafter, scorer = _merge(
