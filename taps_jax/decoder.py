@@ -261,13 +261,17 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             from taps_jax.engine.calibrate import branch_costs
 
+            if max_new_tokens <= 2 and not self.adaptive.force_cycle:  # one round at most: an AR step is all it needs
+                return self._ar_call(prompts, max_new_tokens, options)
             costs = self.costs
             if costs is None:  # within a decoder the calibration's key only changes with these
                 shape = (prompt.shape[0], capacity, sampling.greedy, sampling.top_k > 0, sampling.top_p < 1.0)
-                if shape not in self._measured:
+                costs = self._measured.get(shape)
+                if costs is None:
                     with sharding.use_mesh(mesh):
-                        self._measured[shape] = branch_costs(args, kwargs, max_new_tokens)
-                costs = self._measured[shape]
+                        costs, final = branch_costs(args, kwargs, max_new_tokens)
+                    if final:  # else this batch stopped too soon to time a round: the figures are this call's only
+                        self._measured[shape] = costs
             self.branch_costs = tuple(costs)  # the last call's, for reports
             if self.branch_costs not in self._device_costs:  # placed once: a host array is copied every call
                 self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)
@@ -291,10 +295,10 @@ class SpeculativeDecoder:
             self._never_pay[key] = trees_never_pay(prior, self.branch_costs, self.adaptive)
         return self._never_pay[key]
 
-    def _ar_call(self, prompts, max_new_tokens: int, options: dict, key) -> GenerateCall:
+    def _ar_call(self, prompts, max_new_tokens: int, options: dict, key=None) -> GenerateCall:
         """The target's AR call for an adaptive call whose every round would be an AR step (no probe due, trees
-        never pay): the same tokens (greedy) or law (sampled), the adaptive stats (every round budget 0),
-        estimates unchanged, the probe clock advanced by the AR steps' cost."""
+        never pay; or one round at most): the same tokens (greedy) or law (sampled), the adaptive stats (every
+        round budget 0), estimates unchanged, the probe clock of `key` advanced by the AR steps' cost."""
         call = self.target.prepare(prompts, max_new_tokens, **options)
 
         def finish(outputs):
@@ -302,7 +306,7 @@ class SpeculativeDecoder:
             rounds = [max(len(t) - 1, 0) for t in result.tokens]  # the first token comes with the prefill
             result.stats.update(rounds=rounds, accepted_lengths=[[1] * r for r in rounds],
                                 tau=1.0, budgets=[0] * max(rounds, default=0))
-            if FINISH_NAMES[RUNNING] not in result.finish_reasons:
+            if key is not None and FINISH_NAMES[RUNNING] not in result.finish_reasons:
                 prior, clock = self._priors[key]
                 self._priors[key] = prior, after_ar_steps(clock, self.branch_costs, max(rounds, default=0))
             return result

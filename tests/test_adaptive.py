@@ -199,13 +199,36 @@ def test_a_cost_lost_in_timing_noise_is_timed_again_then_bounded(monkeypatch):
         return (pending.pop(branch, (None, 9.0))[1], rounds)
 
     monkeypatch.setattr(calibrate, "forced_run", forced_run)
-    ms = calibrate.measure(None, {"config": config}, max_new_tokens=17)
-    assert ms == pytest.approx((0.8 / 16 * 1e3, 1.0 / 5 * 1e3))  # branch 0: 17 rounds, branch 1: 6
+    ms, timed = calibrate.measure(None, {"config": config}, max_new_tokens=17)
+    assert ms == pytest.approx((0.8 / 16 * 1e3, 1.0 / 5 * 1e3)) and timed  # branch 0: 17 rounds, branch 1: 6
 
     script = {0: iter([(2.0, 1.8)] * 15), 1: iter([(1.0, 2.0)] * 5)}  # never resolves: time per round, bounded
-    ms = calibrate.measure(None, {"config": config}, max_new_tokens=17, retries=2)
-    assert ms[0] == pytest.approx(1.8 / 17 * 1e3) and ms[1] == pytest.approx(1.0 / 5 * 1e3)
+    ms, timed = calibrate.measure(None, {"config": config}, max_new_tokens=17, retries=2)
+    assert ms[0] == pytest.approx(1.8 / 17 * 1e3) and ms[1] == pytest.approx(1.0 / 5 * 1e3) and timed
     assert calibrate.per_round_ms((1.0, 1), (1.005, 17)) is None  # under 1%: noise, not a cost
+
+
+def test_a_batch_too_short_to_time_a_round_is_measured_for_its_call_only(tmp_path, monkeypatch):
+    """Every sequence stopped after one round: the figures are whole runs, prefill and all, and never kept."""
+    config = type("C", (), {"adaptive": AdaptiveConfig((0, 4))})()
+    real_forced_run = calibrate.forced_run
+    monkeypatch.setattr(calibrate, "forced_run", lambda args, kwargs, branch, rounds: (1.0 + branch, 1))
+    assert calibrate.measure(None, {"config": config}, max_new_tokens=64) == ((1e3, 2e3), False)
+
+    monkeypatch.setattr(calibrate, "forced_run", real_forced_run)
+    calls = []
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or ((1.0, 5.0, 5.0, 5.0), False))
+    target, drafter = tiny_pair(VOCAB)
+    want = target.generate(PROMPTS[:2], 12).tokens
+    dec = SpeculativeDecoder(target, drafter, "adaptive", 4)
+    for _ in range(2):  # not kept, in memory or on disk: the second call measures again
+        assert dec.generate(PROMPTS[:2], 12).tokens == want
+    assert len(calls) == 2 and not (tmp_path / "cache" / calibrate.CACHE_FILE).exists()
+    # A call of at most one round runs the AR program and measures nothing.
+    before = spec_generate._cache_size()
+    got = dec.generate(PROMPTS, 2)
+    assert got.tokens == target.generate(PROMPTS, 2).tokens and len(calls) == 2
+    assert spec_generate._cache_size() == before and got.stats["budgets"] == [0]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -75,8 +75,10 @@ def forced_run(args, kwargs, branch: int, rounds: int) -> tuple[float, int]:
     return time.perf_counter() - start, int((np.asarray(out[5]) >= 0).sum())
 
 
-def measure(args, kwargs, max_new_tokens: int, repeats: int = 5, retries: int = 3) -> tuple[float, ...]:
-    """Milliseconds per round of each branch (least of `repeats`, interleaved across branches).
+def measure(args, kwargs, max_new_tokens: int, repeats: int = 5,
+            retries: int = 3) -> tuple[tuple[float, ...], bool]:
+    """(milliseconds per round of each branch (least of `repeats`, interleaved across branches), whether the
+    rounds could be timed).
 
     The generate program itself (no second compile) runs one branch every
     round (`force`), stopped after r1 and after r2 rounds (`max_rounds`);
@@ -90,6 +92,9 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5, retries: int = 
     times, up to `retries` times; if it is still unresolved, its long run's
     time per round, prefill included, stands in: an upper bound, never the
     near-zero cost that would make the policy pick that branch for good.
+    Rounds cannot be timed where the batch stops before a second round
+    (max_new_tokens <= 2, or every sequence at EOS at once): then every
+    figure is its run's time, prefill and all, and the second value is False.
     """
     budgets = kwargs["config"].adaptive.budgets
 
@@ -116,7 +121,8 @@ def measure(args, kwargs, max_new_tokens: int, repeats: int = 5, retries: int = 
             break
     for k in todo:
         costs[k] = whole_run_ms(min(long[k]))
-    return tuple(costs)
+    timed = all(n2 > n1 for (_, n1), (_, n2) in zip(map(min, short), map(min, long)))
+    return tuple(costs), timed
 
 
 def whole_run_ms(run: tuple[float, int]) -> float:
@@ -139,11 +145,13 @@ def per_round_ms(short: tuple[float, int], long: tuple[float, int]) -> float | N
     return (t2 - t1) / (n2 - n1) * 1e3
 
 
-def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
-    """Cached per-branch costs (ms per round) for these inputs of `spec_generate`, measured on a miss."""
+def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[tuple[float, ...], bool]:
+    """(per-branch costs (ms per round) for these inputs of `spec_generate`, cached or measured on a miss,
+    whether they are final). Figures of a batch that stopped before its rounds could be timed (`measure`) serve
+    the call that measured them and are not cached: the next call of that shape measures again."""
     key = cost_key(args, kwargs)
     if key in _memory:
-        return _memory[key]
+        return _memory[key], True
     path = cache_dir() / CACHE_FILE
     try:
         table = json.loads(path.read_text())
@@ -161,9 +169,11 @@ def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
         compiled_s, _ = forced_run(args, kwargs, 0, 1)
         compile_cache.mark_compiled(program, program_key(program, args, kwargs), program[0], compiled_s)
         begin = time.perf_counter()
-        costs = measure(args, kwargs, max_new_tokens)
+        costs, timed = measure(args, kwargs, max_new_tokens)
         compile_cache.mark_compiled(("calibration", key), hashlib.sha256(key.encode()).hexdigest()[:24],
                                     "calibration", compiled_s + time.perf_counter() - begin)
+        if not timed:
+            return costs, False
         table = table if isinstance(table, dict) else {}
         table[key] = {"ms": list(costs), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         try:
@@ -174,4 +184,4 @@ def branch_costs(args, kwargs, max_new_tokens: int) -> tuple[float, ...]:
         except OSError:
             pass  # a read-only home still decodes; it measures again next process
     _memory[key] = costs
-    return costs
+    return costs, True
