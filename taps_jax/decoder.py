@@ -221,24 +221,45 @@ class SpeculativeDecoder:
     def horizon(self) -> int:
         return self.drafter.config.block_size - 1
 
-    def prepare(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, seed: int = 0, capacity: int | None = None, stop_at_eos: bool = True,
-                prefill_chunk: int | None = None) -> GenerateCall:
+    def prepare(self, prompts, max_new_tokens: int = 64, **options) -> GenerateCall:
         """`generate`'s checks and host work, without the decode: a `GenerateCall`
         to `.compile()` ahead of time, `.run()` or `.stream()` (taps_jax.calls).
 
         Every size is checked here, before anything is traced: the context
         (prompt + new tokens + tree headroom within max_position_embeddings)
-        and the estimated memory (`taps_jax.engine.sizing`).
+        and the estimated memory (`taps_jax.engine.sizing`). options: as `generate`'s.
         """
-        prefill_chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
-        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
-                       stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk)
+        options = self._call_options(**options)
         if self.policy == "ar":
             return self.target.prepare(prompts, max_new_tokens, **options)
+        return self._prepare(prompts, max_new_tokens, options)
+
+    def _call_options(self, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                      capacity: int | None = None, stop_at_eos: bool = True, prefill_chunk: int | None = None) -> dict:
+        """A call's options, defaults filled in (the prefill chunk: the decoder's)."""
+        prefill_chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
+        return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
+                    stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk)
+
+    def warm_up(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
+        """`generate`, and for the adaptive policy also one run of its speculative program when that call ran
+        AR's program (every round an AR step): a later call whose probe comes due then does not compile mid-run
+        (say, in a benchmark's timed repeats). The extra run's statistics are dropped: the decoder's estimates
+        and probe clock stay as `generate` left them."""
+        result = self.generate(prompts, max_new_tokens, **options)
+        if self.adaptive is not None and max_new_tokens > 2:
+            kept = dict(self._priors)
+            self._prepare(prompts, max_new_tokens, self._call_options(**options), shortcut=False).run()
+            self._priors = kept
+        return result
+
+    def _prepare(self, prompts, max_new_tokens: int, options: dict, shortcut: bool = True) -> GenerateCall:
+        """`prepare` for a speculative policy (options filled in); shortcut=False: the speculative program even
+        where the adaptive policy would run AR's (`warm_up`)."""
+        seed, capacity, prefill_chunk = options["seed"], options["capacity"], options["prefill_chunk"]
         check_lengths(max_new_tokens)
-        check_call(seed, capacity, stop_at_eos, prefill_chunk)
-        sampling = SamplingConfig(temperature, top_k, top_p)
+        check_call(seed, capacity, options["stop_at_eos"], prefill_chunk)
+        sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"])
         ids = self.target.encode(prompts)
         tree_size = self.tree.tree_size(self.horizon)
         capacity = plan_capacity(max(map(len, ids)), max_new_tokens, tree_size + self.horizon + 1,
@@ -249,8 +270,8 @@ class SpeculativeDecoder:
             self.target.config, params_bytes(self.target.params, self._drafter_params), prompt.shape[0],
             prompt.shape[1], capacity, drafter=self._drafter_config, tree_size=tree_size, chunk=prefill_chunk)
         check_memory(estimate, mesh)
-        decode = DecodeConfig(max_new_tokens, capacity, sampling, self.target.eos_ids if stop_at_eos else (),
-                              prefill_chunk)
+        eos_ids = self.target.eos_ids if options["stop_at_eos"] else ()
+        decode = DecodeConfig(max_new_tokens, capacity, sampling, eos_ids, prefill_chunk)
         args = (self.target._static_graph, self.target.params, self._drafter_graphdef, self._drafter_params,
                 sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh), sharding.put_batch(active, mesh),
                 jax.random.key(seed))
@@ -261,7 +282,7 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             from taps_jax.engine.calibrate import branch_costs
 
-            if max_new_tokens <= 2 and not self.adaptive.force_cycle:  # one round at most: an AR step is all it needs
+            if shortcut and max_new_tokens <= 2 and not self.adaptive.force_cycle:  # one round: an AR step is all
                 return self._ar_call(prompts, max_new_tokens, options)
             costs = self.costs
             if costs is None:  # within a decoder the calibration's key only changes with these
@@ -277,7 +298,7 @@ class SpeculativeDecoder:
                 self._device_costs[self.branch_costs] = jnp.asarray(costs, jnp.float32)
             key = (sampling, self.branch_costs)
             prior, clock = self._start(key, sampling)
-            if not probe_due(clock, self.branch_costs, max_new_tokens) and self._trees_never_pay(prior):
+            if shortcut and not probe_due(clock, self.branch_costs, max_new_tokens) and self._trees_never_pay(prior):
                 return self._ar_call(prompts, max_new_tokens, options, key)
             # No forced branch, no round limit (a round emits at least one token): device constants, of the
             # same kinds as the calibration passes (`calibrate.measure`), so one program serves both.

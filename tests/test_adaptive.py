@@ -349,6 +349,13 @@ def test_a_call_where_no_tree_can_pay_runs_the_ar_program(models, shipped_table)
     assert spec_generate._cache_size() == before  # the AR program ran, not the speculative one
     assert got.tokens == want.tokens and got.stats["tau"] == 1.0
     assert got.stats["budgets"] == [0] * 23 and got.stats["rounds"] == [23, 23]
+    # warm_up: generate, then the speculative program too (compiled for a later probe), what it learns dropped.
+    (prior, clock), = dec._priors.values()
+    warm = dec.warm_up(prompts, 24)
+    assert warm.tokens == want.tokens and warm.stats["budgets"] == [0] * 23
+    assert spec_generate._cache_size() == before + 1
+    (prior2, clock2), = dec._priors.values()
+    assert (prior2 == prior).all() and clock2.tolist() == pytest.approx(after_ar_steps(clock, dear, 23).tolist())
     # Trees at a cost the repeated text's bucket pays for: the speculative program, and its first round a tree.
     cheap = (1.0,) + (0.5 * float(means[-1, -1]),) * 4
     assert models.decoder("adaptive", 16, costs=cheap).generate(prompts[:1], 24).stats["budgets"][0] > 0
