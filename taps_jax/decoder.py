@@ -247,7 +247,7 @@ class SpeculativeDecoder:
         (say, in a benchmark's timed repeats). The extra run's statistics are dropped: the decoder's estimates
         and probe clock stay as `generate` left them."""
         result = self.generate(prompts, max_new_tokens, **options)
-        if self.adaptive is not None and max_new_tokens > 2:
+        if self.policy == "adaptive" and max_new_tokens > 2:
             kept = dict(self._priors)
             self._prepare(prompts, max_new_tokens, self._call_options(**options), shortcut=False).run()
             self._priors = kept
