@@ -13,8 +13,8 @@ from spec_helpers import assert_follows, tiny_pair
 from taps_helpers import random_scorer, sharp_pair
 from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
 from taps_jax.engine import calibrate
-from taps_jax.engine.adaptive import (AdaptiveConfig, accepted_by_budget, after_ar_steps, probe_due, start_clock,
-                                     tree_ranks, trees_never_pay)
+from taps_jax.engine.adaptive import (AdaptiveConfig, AdaptiveState, accepted_by_budget, after_ar_steps, choose,
+                                     probe_due, start_clock, tree_ranks, trees_never_pay, update)
 from taps_jax.engine.speculative import spec_generate
 from taps_jax.tree.policies import TreeConfig, draft_tree
 
@@ -366,6 +366,24 @@ def _dear_costs(table, config):
     means = table.means("greedy")[:, [table.budgets.index(b) for b in config.budgets]]
     best = float(np.nanmax(means[:, 1:]))  # the most any of these trees yields, in any bucket
     return means, (1.0,) + (1.2 * best,) * (len(config.budgets) - 1)
+
+
+def test_a_probe_that_changes_nothing_backs_off_even_at_a_calls_first_round():
+    """The clock carries across calls, so a due probe can be a call's round 0: it still doubles the wait."""
+    config, costs = AdaptiveConfig((0, 4)), jnp.asarray([1.0, 10.0])
+    prior = np.zeros((2, config.match_buckets, 2), np.float32)
+    prior[:, :, 1] = [[2.0], [1.0]]  # every bucket: a tree yields 2 tokens for 10x an AR step's cost
+    st = AdaptiveState.init(8, config, prior, costs, clock=np.asarray([250.0, 200.0, 1.0], np.float32))
+    q, running = jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
+    k, probe = choose(st, q, running, costs, config)
+    assert int(k) == 1 and bool(probe) and int(st.round) == 0
+    st = update(st, k, probe, jnp.asarray([[1, 2]]), running, q, costs, config)  # it yields 2 again: still AR
+    assert int(st.backoff) == 2 and float(st.spent) == 0.0 and float(st.wait) == pytest.approx(10 / 0.05 * 4)
+    # The first probe of a decoder with no estimates has nothing to confirm: no backoff.
+    fresh = AdaptiveState.init(8, config, config.empty_prior(), costs)
+    k, probe = choose(fresh, q, running, costs, config)
+    assert int(k) == 1 and bool(probe)
+    assert int(update(fresh, k, probe, jnp.asarray([[1, 2]]), running, q, costs, config).backoff) == 0
 
 
 def test_the_probe_schedule_runs_across_calls(models, shipped_table):

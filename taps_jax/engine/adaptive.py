@@ -29,8 +29,9 @@ branch once the cost spent since its last run exceeds cost_max /
 probe_fraction (so probing costs at most about that fraction), the wait
 doubling each time a probe leaves the choice unchanged; that clock carries
 from call to call like the table (`clock`), so short calls probe at the pace
-of a decoder's life. Without any prior the first round probes it. An AR choice runs AR steps until the signal
-changes the choice or a probe is due (`speculative.ar_run`).
+of a decoder's life. Without any prior the first round probes it. An AR
+choice runs AR steps until the signal changes the choice or a probe is due
+(`speculative.ar_run`).
 """
 
 from __future__ import annotations
@@ -235,6 +236,7 @@ def update(st: AdaptiveState, k, probe, accepted_BK, running_B, q_B, costs_K, co
     """
     K, Q = len(config.budgets), config.match_buckets
     before = best_branch(st, q_B, running_B, costs_K)
+    seen = every_tree_seen(st.count_QK)  # else this is the first probe: it had no choice to confirm
     w_BQ = (jax.nn.one_hot(q_B, Q, dtype=jnp.float32) * running_B[:, None])
     fresh_K = (jnp.arange(K) <= k) & (jnp.arange(K) > 0)
     obs_QK = w_BQ.T @ accepted_BK.astype(jnp.float32)
@@ -246,7 +248,7 @@ def update(st: AdaptiveState, k, probe, accepted_BK, running_B, q_B, costs_K, co
     # After a probe: wait (cost_max / fraction) * 2^backoff, backing off while probes change nothing.
     after = best_branch(st, q_B, running_B, costs_K)
     largest = k == K - 1
-    confirmed = probe & (st.round > 0) & (before != K - 1) & (after == before)
+    confirmed = probe & seen & (before != K - 1) & (after == before)
     backoff = jnp.where(largest, jnp.where(confirmed, jnp.minimum(st.backoff + 1, config.max_backoff), 0),
                         st.backoff)
     wait = costs_K[-1] / config.probe_fraction * (2.0 ** backoff.astype(jnp.float32))
