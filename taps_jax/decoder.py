@@ -327,7 +327,7 @@ class SpeculativeDecoder:
             rounds = [max(len(t) - 1, 0) for t in result.tokens]  # the first token comes with the prefill
             result.stats.update(rounds=rounds, accepted_lengths=[[1] * r for r in rounds],
                                 tau=1.0, budgets=[0] * max(rounds, default=0))
-            if key is not None and FINISH_NAMES[RUNNING] not in result.finish_reasons:
+            if key is not None and self.adaptive.carry_clock and FINISH_NAMES[RUNNING] not in result.finish_reasons:
                 prior, clock = self._priors[key]
                 self._priors[key] = prior, after_ar_steps(clock, self.branch_costs, max(rounds, default=0))
             return result
@@ -336,14 +336,17 @@ class SpeculativeDecoder:
 
     def _start(self, key, sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
         """([2, Q, K] statistics, [3] probe clock) a call starts from: the last finished call's (same sampling and
-        costs), else the fitted table's (or none) and the first call's clock (`adaptive.start_clock`)."""
+        costs; its clock with `carry_clock`, else a first call's), else the fitted table's (or none) and a first
+        call's clock (`adaptive.start_clock`)."""
         if key not in self._priors:
             prior = self.adaptive.empty_prior() if self.table is None else self.table.prior(self.adaptive,
                                                                                             sampling.greedy)
-            clock = np.asarray(start_clock(self.adaptive, prior, jnp.asarray(self.branch_costs, jnp.float32)),
-                               np.float32)
-            self._priors[key] = prior, clock
+            self._priors[key] = prior, self._first_clock(prior)
         return self._priors[key]
+
+    def _first_clock(self, prior) -> np.ndarray:
+        """[3] the clock of a call that does not resume the last one's (`adaptive.start_clock`)."""
+        return np.asarray(start_clock(self.adaptive, prior, jnp.asarray(self.branch_costs, jnp.float32)), np.float32)
 
     def _result(self, outputs, count: int, key=None) -> GenerateResult:
         out, n, finish, rounds, accepted, branch, est, clock = outputs
@@ -358,8 +361,10 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             # One branch per round for the whole batch: the budget each round verified (0 = an AR step).
             stats["budgets"] = [self.adaptive.budgets[k] for k in branch.tolist() if k >= 0]
-            if (finish[:count] != RUNNING).all():  # a finished call's statistics and clock start the next call
-                self._priors[key] = np.asarray(est, np.float32), np.asarray(clock, np.float32)
+            if (finish[:count] != RUNNING).all():  # a finished call's statistics (and clock) start the next call
+                est = np.asarray(est, np.float32)
+                self._priors[key] = est, np.asarray(clock if self.adaptive.carry_clock else self._first_clock(est),
+                                                    np.float32)
         return self.target._result(out, n, finish, count, stats)
 
     def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:

@@ -355,7 +355,7 @@ def test_a_call_where_no_tree_can_pay_runs_the_ar_program(models, shipped_table)
     assert warm.tokens == want.tokens and warm.stats["budgets"] == [0] * 23
     assert spec_generate._cache_size() == before + 1
     (prior2, clock2), = dec._priors.values()
-    assert (prior2 == prior).all() and clock2.tolist() == pytest.approx(after_ar_steps(clock, dear, 23).tolist())
+    assert (prior2 == prior).all() and clock2.tolist() == pytest.approx(clock.tolist())
     # Trees at a cost the repeated text's bucket pays for: the speculative program, and its first round a tree.
     cheap = (1.0,) + (0.5 * float(means[-1, -1]),) * 4
     assert models.decoder("adaptive", 16, costs=cheap).generate(prompts[:1], 24).stats["budgets"][0] > 0
@@ -387,12 +387,12 @@ def test_a_probe_that_changes_nothing_backs_off_even_at_a_calls_first_round():
 
 
 def test_the_probe_schedule_runs_across_calls(models, shipped_table):
-    """Calls too short to reach a probe on their own still probe, at the pace of the decoder's whole life: each
-    call's AR steps add to the cost spent, and the call that reaches the wait probes where the clock says."""
-    config = AdaptiveConfig.for_budget(16)
+    """carry_clock: calls too short to reach a probe on their own still probe, at the pace of the decoder's whole
+    life: each call's AR steps add to the cost spent, and the call that reaches the wait probes where it is due."""
+    config = AdaptiveConfig.for_budget(16, carry_clock=True)
     _, dear = _dear_costs(shipped_table, config)
     wait = dear[-1] / config.probe_fraction  # about 20 x 1.2 x 8 AR steps: several 24-token calls
-    dec = models.decoder("adaptive", 16, costs=dear)
+    dec = models.decoder("adaptive", 16, costs=dear, adaptive=config)
     prompt = [models.target.tokenizer.encode("def area(width, height):\n")]
     want = models.target.generate(prompt, 24).tokens
     spent, before = 0.0, spec_generate._cache_size()
@@ -408,6 +408,10 @@ def test_the_probe_schedule_runs_across_calls(models, shipped_table):
     # The wait starts again from the probe (at least a full period): the next call is AR's program again.
     again = dec.generate(prompt, 24)
     assert again.tokens == want and again.stats["budgets"] == [0] * 23
+    # The default restarts the clock with each call: calls this short never reach a probe.
+    dec = models.decoder("adaptive", 16, costs=dear)
+    for _ in range(int(wait // 23) + 2):
+        assert dec.generate(prompt, 24).stats["budgets"] == [0] * 23
 
 
 def test_fit_counts_every_round(models):

@@ -27,11 +27,11 @@ have accepted from the same draft and target samples: the accepted path's
 nodes ranked below m. Larger budgets are re-measured by probing the largest
 branch once the cost spent since its last run exceeds cost_max /
 probe_fraction (so probing costs at most about that fraction), the wait
-doubling each time a probe leaves the choice unchanged; that clock carries
-from call to call like the table (`clock`), so short calls probe at the pace
-of a decoder's life. Without any prior the first round probes it. An AR
-choice runs AR steps until the signal changes the choice or a probe is due
-(`speculative.ar_run`).
+doubling each time a probe leaves the choice unchanged; with `carry_clock`
+that clock carries from call to call like the table (`clock`), so short
+calls probe at the pace of a decoder's life. Without any prior the first
+round probes it. An AR choice runs AR steps until the signal changes the
+choice or a probe is due (`speculative.ar_run`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ class AdaptiveConfig:
       (the last bucket: that long or longer); 1 turns the signal off.
     prior_weight: a fitted prior counts as at most this many observations per
       (bucket, budget), so the call's own rounds soon outweigh it.
+    carry_clock: the probe schedule runs over a decoder's life (each call
+      resumes the previous one's clock, `clock`) instead of restarting with
+      every call. Off by default: measured on the 2-core CPU (2026-12-02) it
+      paid in one setting and cost in two (docs/benchmarks.md).
     force_cycle: test hook, every branch in turn (largest first, down to the AR step).
     """
 
@@ -72,6 +76,7 @@ class AdaptiveConfig:
     max_backoff: int = 4
     match_buckets: int = 9
     prior_weight: float = 4.0
+    carry_clock: bool = False
     force_cycle: bool = False
 
     @classmethod
