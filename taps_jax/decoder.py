@@ -242,10 +242,10 @@ class SpeculativeDecoder:
                     stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk)
 
     def warm_up(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
-        """`generate`, and for the adaptive policy also one run of its speculative program when that call ran
-        AR's program (every round an AR step): a later call whose probe comes due then does not compile mid-run
-        (say, in a benchmark's timed repeats). The extra run's statistics are dropped: the decoder's estimates
-        and probe clock stay as `generate` left them."""
+        """`generate`, and for the adaptive policy also one run of its speculative program (which that call
+        skips where every round would be an AR step): a later call whose probe comes due then does not compile
+        mid-run (say, in a benchmark's timed repeats). The extra run's statistics are dropped: the decoder's
+        estimates and probe clock stay as `generate` left them."""
         result = self.generate(prompts, max_new_tokens, **options)
         if self.policy == "adaptive" and max_new_tokens > 2:
             kept = dict(self._priors)
@@ -279,6 +279,7 @@ class SpeculativeDecoder:
         kwargs = {"config": SpecConfig(decode, self.tree, self.adaptive, lookup)}
         if self.scorer is not None:
             kwargs.update(scorer_graphdef=self._scorer_graphdef, scorer_params=self._scorer_params)
+        key = None  # adaptive: (sampling, costs), what the call's statistics and clock are kept under
         if self.adaptive is not None:
             from taps_jax.engine.calibrate import branch_costs
 
@@ -306,7 +307,6 @@ class SpeculativeDecoder:
                           max_rounds=self._no_limit, prior=prior, clock=clock)
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
                             ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
-        key = (sampling, self.branch_costs) if self.adaptive is not None else None
         return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), key), mesh, estimate)
 
     def _trees_never_pay(self, prior: np.ndarray) -> bool:
