@@ -262,7 +262,7 @@ def rehearse(target_config, drafter_config, mesh, *, batch: int, prompt_tokens: 
         H = dcfg.block_size - 1
         tree.validate(H, tcfg.vocab_size)
         tree_size = tree.tree_size(H)
-        headroom = tree_size + H + 1
+        headroom = tree_size  # as SpeculativeDecoder sizes it
     else:
         tree, tree_size, headroom = None, 1, 0
     capacity = plan_capacity(prompt_tokens, max_new_tokens, headroom, tcfg)

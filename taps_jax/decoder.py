@@ -262,7 +262,7 @@ class SpeculativeDecoder:
         sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"])
         ids = self.target.encode(prompts)
         tree_size = self.tree.tree_size(self.horizon)
-        capacity = plan_capacity(max(map(len, ids)), max_new_tokens, tree_size + self.horizon + 1,
+        capacity = plan_capacity(max(map(len, ids)), max_new_tokens, tree_size,
                                  self.target.config, capacity)
         mesh = self.mesh
         prompt, lens, active = pad_batch(ids, capacity, min_batch=sharding.data_size(mesh))

@@ -130,6 +130,18 @@ def test_max_new_tokens_smaller_than_a_round(models, ar, policy):
     assert any(1 + acc[0] > n for acc in res.stats["accepted_lengths"]), res.stats["accepted_lengths"]
 
 
+def test_the_tree_is_all_the_headroom_a_call_needs(models, ar):
+    """A running sequence keeps at most prompt + N - 2 tokens in its cache (the
+    last token emitted is pending), so a cache of the longest prompt + N + T - 2
+    slots lets every sequence reach N: the decoder's default capacity (prompt +
+    N + T, bucketed) has room to spare."""
+    for policy, T in (("chain", 8), ("ddtree", 17)):
+        dec = SpeculativeDecoder(*models, policy, 16)
+        assert dec.tree.tree_size(dec.horizon) == T
+        res = dec.generate(PROMPTS, N, capacity=len(LONG) + N + T - 2)
+        assert res.tokens == ar and res.finish_reasons == ["length"] * 4, policy
+
+
 def test_capacity_stops_one_sequence_while_the_other_goes_on(models, ar):
     """With a 32-slot cache the 12-token prompt runs out of room; the 2-token one does not.
 

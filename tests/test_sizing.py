@@ -31,8 +31,8 @@ def test_prompt_beyond_the_context_is_refused(models, no_tracing):
                                          rf"{limit}; shorten the prompt to at most {limit - 128} tokens"):
         models.target.generate([prompt], 128)
     spec = SpeculativeDecoder(models.target, models.drafter, "ddtree", 32)
-    with pytest.raises(ValueError, match=r"\+ 49 slots of tree headroom needs .* shorten the prompt to at most "
-                                         rf"{limit - 128 - 49} tokens"):
+    with pytest.raises(ValueError, match=r"\+ 33 slots of tree headroom needs .* shorten the prompt to at most "
+                                         rf"{limit - 128 - 33} tokens"):
         spec.generate([[5] * (limit - 150)], 128)
 
 

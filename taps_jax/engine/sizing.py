@@ -37,8 +37,11 @@ def plan_capacity(longest_prompt: int, max_new_tokens: int, headroom: int, confi
                   capacity: int | None = None) -> int:
     """The KV-cache capacity for a call, checked against the target's context.
 
-    headroom: slots a decoding step needs beyond the tokens kept (the tree
-    and one round of accepted tokens for speculative decoding, 0 for AR).
+    headroom: slots a decoding step needs beyond the tokens kept: the
+    largest tree's T nodes for speculative decoding, 0 for AR. (A running
+    sequence keeps at most prompt + max_new_tokens - 2 tokens in its cache,
+    so a round's tree always fits; a round that accepts past the last new
+    token finishes the sequence.)
     Positions never exceed capacity - 1, so a capacity within
     `max_position_embeddings` keeps every position inside the trained range.
     """
