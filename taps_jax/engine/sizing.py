@@ -42,8 +42,11 @@ def plan_capacity(longest_prompt: int, max_new_tokens: int, headroom: int, confi
     sequence keeps at most prompt + max_new_tokens - 2 tokens in its cache,
     so a round's tree always fits; a round that accepts past the last new
     token finishes the sequence.)
-    Positions never exceed capacity - 1, so a capacity within
-    `max_position_embeddings` keeps every position inside the trained range.
+    The target's positions never exceed capacity - 1, so a capacity within
+    `max_position_embeddings` keeps every one inside the trained range. (With
+    a tree of fewer nodes than the drafter's block, the block's last positions
+    may run up to block - T past it: RoPE is computed, not looked up, and a
+    draft is only a proposal that the target verifies.)
     """
     limit = config.max_position_embeddings
     if max_new_tokens > limit:
