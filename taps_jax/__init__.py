@@ -17,7 +17,7 @@ them too, so older imports still work. Submodules for more: `sharding`
 from taps_jax.api import Target, load_target
 from taps_jax.calls import GenerateCall, GenerateResult
 from taps_jax.checkpoints.scorer import ScorerModel, load_scorer
-from taps_jax.config import DrafterConfig, ModelConfig, RopeScaling
+from taps_jax.config import DrafterConfig, ModelConfig, RopeFactors, RopeScaling
 from taps_jax.decoder import (POLICIES, DrafterModel, ModelSet, SpeculativeDecoder, load_drafter,
                               load_model_set)
 from taps_jax.engine.adaptive import AdaptiveConfig
@@ -26,6 +26,6 @@ from taps_jax.tree.lookup import LookupTable
 
 __all__ = [
     "AdaptiveConfig", "DrafterConfig", "DrafterModel", "GenerateCall", "GenerateResult", "LookupTable", "ModelConfig", "ModelSet",
-    "POLICIES", "RopeScaling", "SamplingConfig", "ScorerModel", "SpeculativeDecoder", "Target", "load_drafter",
+    "POLICIES", "RopeFactors", "RopeScaling", "SamplingConfig", "ScorerModel", "SpeculativeDecoder", "Target", "load_drafter",
     "load_model_set", "load_scorer", "load_target",
 ]

@@ -7,6 +7,7 @@ config can be a `static_argnums` argument or a closure constant.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -36,6 +37,36 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeFactors:
+    """Per-frequency RoPE factors, as llama.cpp stores them (a GGUF's `rope_freqs.weight` tensor).
+
+    Frequency i runs at theta^(-2i/head_dim) / factors[i], llama.cpp's rule:
+    these factors are what runs. `llama3` is a Llama-3 scaling that gives
+    the same factors (from the file's keys or an exact fit), kept to write a
+    Hugging Face config and to show; None when none does.
+    """
+
+    factors: tuple[float, ...]
+    llama3: RopeScaling | None = None
+
+    def __post_init__(self):
+        # A tuple of Python floats keeps the config hashable (a static jit argument).
+        object.__setattr__(self, "factors", tuple(float(x) for x in self.factors))
+        if not self.factors:
+            raise ValueError("rope factors are empty; give one per frequency (head_dim / 2)")
+        bad = [(i, x) for i, x in enumerate(self.factors) if not (math.isfinite(x) and x > 0)]
+        if bad:
+            raise ValueError(f"rope factor {bad[0][0]} is {bad[0][1]!r}; every factor must be positive and finite")
+
+
+def check_rope(scaling, head_dim: int, what: str) -> None:
+    """ValueError when per-frequency rope factors do not number head_dim / 2."""
+    if isinstance(scaling, RopeFactors) and len(scaling.factors) != head_dim // 2:
+        raise ValueError(f"{what} has {len(scaling.factors)} rope factors, but head_dim {head_dim} has "
+                         f"{head_dim // 2} frequencies")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer of the Qwen3 / Llama 3 / Qwen2 families."""
 
@@ -48,7 +79,7 @@ class ModelConfig:
     head_dim: int
     family: str = "qwen3"
     rope_theta: float = 1_000_000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | RopeFactors | None = None
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_position_embeddings: int = 32768
@@ -72,6 +103,7 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        check_rope(self.rope_scaling, self.head_dim, "the model")
 
     @property
     def qk_norm(self) -> bool:
@@ -111,7 +143,7 @@ class DrafterConfig:
     num_target_layers: int
     vocab_size: int
     rope_theta: float = 1_000_000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | RopeFactors | None = None
     rms_norm_eps: float = 1e-6
     dtype: str = "float32"  # parameter and activation dtype
 
@@ -136,6 +168,7 @@ class DrafterConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"drafter head_dim must be even for RoPE, got {self.head_dim}")
+        check_rope(self.rope_scaling, self.head_dim, "the drafter")
         if not self.target_layer_ids:
             raise ValueError("drafter target_layer_ids is empty; name at least one target layer to tap")
         bad = [i for i in self.target_layer_ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]

@@ -17,7 +17,8 @@ from pathlib import Path
 def convert(gguf_file, out_dir, dtype: str = "float32") -> Path:
     """Convert a GGUF file into a new (or empty) HF model directory; returns it."""
     from taps_jax.api import load_target
-    from taps_jax.checkpoints.gguf import is_gguf
+    from taps_jax.checkpoints.gguf import GGUFFile, config_from_gguf, is_gguf
+    from taps_jax.checkpoints.hf import config_to_hf
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file() or not is_gguf(gguf_file):
@@ -25,7 +26,15 @@ def convert(gguf_file, out_dir, dtype: str = "float32") -> Path:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"{out_dir} exists and is not an empty directory; choose a new output directory "
                          f"(nothing there was changed)")
-    target = load_target(gguf_file, dtype)  # every check of the file runs before anything is written
+    # Every check of the file, and of what a Hugging Face config can say of it, runs before anything is read
+    # or written.
+    try:
+        config_to_hf(config_from_gguf(GGUFFile(gguf_file), dtype))
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if message.startswith(str(gguf_file)) else
+                         f"{gguf_file}: cannot be written as a Hugging Face model: {message}") from None
+    target = load_target(gguf_file, dtype)
     target.save(out_dir)
     return out_dir
 

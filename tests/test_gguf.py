@@ -56,8 +56,8 @@ def test_gguf_matches_hf_on_the_same_tensors(tmp_path, family, qtype):
     target = taps_jax.load_target(path)
     assert target.config.family == family and target.config.tie_embeddings == (family == "qwen2")
     if family == "llama":
-        s = target.config.rope_scaling  # recovered from rope_freqs; llama.cpp stores no original context here, so
-        assert (s.factor, s.low_freq_factor, s.high_freq_factor) == (8.0, 128.0, 512.0)  # 8192 / (64 / (1, 4))
+        s = target.config.rope_scaling  # rope_freqs runs as stored; its Llama-3 equivalent is the config's own
+        assert isinstance(s, taps_jax.RopeFactors) and s.llama3 == taps_jax.RopeScaling(8.0, 1.0, 4.0, 64)
     if family == "qwen3":
         assert target.config.head_dim == 32
     with torch.no_grad():

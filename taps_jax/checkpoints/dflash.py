@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from taps_jax.checkpoints.hf import _field, _rope, check_dir, read_json
+from taps_jax.checkpoints.hf import _field, _rope, check_dir, read_json, rope_scaling_to_hf
 from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, write_tensors
 from taps_jax.config import DrafterConfig
 from taps_jax.models.drafter import Drafter
@@ -118,12 +118,7 @@ def config_to_dflash(config: DrafterConfig) -> dict:
         "torch_dtype": c.dtype,
     }
     if c.rope_scaling is not None:
-        s = c.rope_scaling
-        raw["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
+        raw["rope_scaling"] = rope_scaling_to_hf(c.rope_scaling)
     return raw
 
 
@@ -147,6 +142,7 @@ def load_drafter_module(path, dtype: str = "float32") -> tuple[Drafter, DrafterC
 def save_drafter(drafter: Drafter, path) -> None:
     """Write config.json + model.safetensors in the DFlash layout."""
     path = Path(path)
+    config = config_to_dflash(drafter.config)  # a config it cannot write fails before anything is written
     path.mkdir(parents=True, exist_ok=True)
     write_tensors(path, module_to_tensors(drafter, _no_prefix))
-    (path / "config.json").write_text(json.dumps(config_to_dflash(drafter.config), indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))

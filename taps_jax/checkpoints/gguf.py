@@ -4,7 +4,8 @@ Parsing and dequantization are ggml's own `gguf` package; this module adds
 what a reader of llama.cpp's converter output must undo (DESIGN.md 13):
 llama's q/k rows permuted for llama.cpp's rope layout, GGUF dims listed
 fastest first, a tied model without `output.weight`, Llama-3 rope scaling as
-a `rope_freqs` tensor of per-frequency factors.
+a `rope_freqs` tensor of per-frequency factors (run as they are, llama.cpp's
+rule: each inverse frequency divided by its factor).
 
 Every check that can fail runs on the header before any tensor is read: the
 header is read by `read_header` with every count and length bounded by the
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from taps_jax.config import ModelConfig, RopeScaling
+from taps_jax.config import ModelConfig, RopeFactors, RopeScaling
 
 MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture -> our family of the same name
@@ -295,10 +296,16 @@ def config_from_gguf(f: GGUFFile, dtype: str = "float32") -> ModelConfig:
     kind = f.get(f"{f.arch}.rope.scaling.type", "none")
     if kind not in ("none", "llama3"):
         raise ValueError(f"{f.path}: rope scaling {kind!r} is not supported (supported: none, Llama-3 rope_freqs)")
+    for key in ("rope.scaling.factor", "rope.scale_linear"):  # llama.cpp divides every frequency by it
+        linear = f.get(f"{f.arch}.{key}")
+        if linear not in (None, 0, 1):
+            raise ValueError(f"{f.path}: metadata key {f.arch}.{key} = {linear!r} asks for linear rope scaling, "
+                             f"which is not supported")
     vocab = f.infos["token_embd.weight"].shape[0] if "token_embd.weight" in f.infos else None
     if vocab is None:
         raise ValueError(f"{f.path}: no token_embd.weight tensor; {FIX}")
     theta = f.arch_key("rope.freq_base", float, 10000.0)
+    rope = rope_factors(f, head_dim, theta)
     try:
         return ModelConfig(
             vocab_size=f.arch_key("vocab_size", int, vocab),
@@ -310,7 +317,7 @@ def config_from_gguf(f: GGUFFile, dtype: str = "float32") -> ModelConfig:
             head_dim=head_dim,
             family=f.arch,
             rope_theta=theta,
-            rope_scaling=_rope_scaling(f, head_dim, theta),
+            rope_scaling=rope,
             rms_norm_eps=f.arch_key("attention.layer_norm_rms_epsilon", float, 1e-6),
             tie_embeddings="output.weight" not in f.infos,
             max_position_embeddings=f.arch_key("context_length", int, 32768),
@@ -320,41 +327,91 @@ def config_from_gguf(f: GGUFFile, dtype: str = "float32") -> ModelConfig:
         raise ValueError(f"{f.path}: {e}") from None
 
 
-def _rope_scaling(f: GGUFFile, head_dim: int, theta: float) -> RopeScaling | None:
-    """Llama-3 rope scaling recovered from llama.cpp's per-frequency `rope_freqs` factors (exactly, or refused).
+def rope_factors(f: GGUFFile, head_dim: int, theta: float) -> RopeFactors | None:
+    """The file's `rope_freqs` factors, to run as they are (llama.cpp divides inverse frequency i by factor i).
 
-    llama.cpp divides each inverse frequency by its factor: 1 for short
-    wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) between,
-    with s linear in 1 / wavelength. The factors fix `factor` and, given the
-    original context (a key, else 8192 as in Llama 3.1), low and high.
+    Checked first: head_dim / 2 positive finite factors, in a llama file
+    (llama.cpp applies no rope_freqs to qwen2/qwen3). All ones is plain rope.
+    The Llama-3 scaling that gives the same factors, when one does, rides
+    along for a Hugging Face config (`llama3_equivalent`).
     """
     if ROPE_FREQS not in f.infos:
         return None
+    where = f"{f.path}: tensor {ROPE_FREQS!r}"
+    if f.arch != "llama":
+        raise ValueError(f"{where} in a {f.arch} file: llama.cpp applies rope factors to llama models only, so "
+                         f"this is not a file its converter writes; not supported")
+    shape = f.infos[ROPE_FREQS].shape
+    if shape != (head_dim // 2,):
+        raise ValueError(f"{where} has shape {list(shape)}, expected [{head_dim // 2}] (one factor per frequency "
+                         f"of head_dim {head_dim}); {FIX}")
     factors = f.read(ROPE_FREQS).astype(np.float64).reshape(-1)
-    if factors.shape != (head_dim // 2,):
-        raise ValueError(f"{f.path}: {ROPE_FREQS} has {factors.size} factors, expected {head_dim // 2}")
-    factor = float(factors.max())
-    if np.allclose(factors, 1.0):
+    bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
+    if bad.size:
+        raise ValueError(f"{where} holds {float(factors[bad[0]])!r} at frequency {bad[0]} ({bad.size} of "
+                         f"{factors.size} factors are not positive and finite); {FIX}")
+    if np.all(factors == 1.0):
         return None
-    original = f.arch_key("rope.scaling.original_context_length", int, 8192)
-    inv_freq = theta ** -(np.arange(0, head_dim, 2) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    between = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
-    candidates = [(1.0, 4.0)]  # Llama 3.1's own; used when too few factors fall between to solve for them
-    if between.sum() >= 2:
-        # s = (original / wavelen - low) / (high - low): a line in original / wavelen
-        s = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
-        slope, intercept = np.polyfit(original / wavelen[between], s, 1)
-        low, high = -intercept / slope, -intercept / slope + 1 / slope
-        candidates[:0] = [(float(f"{low:.6g}"), float(f"{high:.6g}")), (float(low), float(high))]  # tidy first
+    original = f.arch_key("rope.scaling.original_context_length", int, 0) or None
+    return RopeFactors(tuple(factors.tolist()), llama3_equivalent(factors, head_dim, theta, original))
+
+
+def llama3_equivalent(factors, head_dim: int, theta: float, original: int | None = None) -> RopeScaling | None:
+    """A Llama-3 rope scaling that gives `factors` (within 1e-5, float32 storage) under llama.cpp's converter
+    rule, or None when none does.
+
+    The rule: factor 1 for wavelengths below original / high, `factor`
+    above original / low, 1 / ((1 - s) / factor + s) between, with
+    s = (original / wavelength - low) / (high - low). Only `factor` and the two
+    wavelength bounds shape the factors, so one set of factors has many
+    equal parameter sets (and when at most one frequency falls between the
+    bounds, many pairs of bounds too: Llama 3's high = 4 x low is tried
+    first). The one returned states `original` when the file gives it (a
+    `rope.scaling.original_context_length` key), else the long bound as the
+    original context with low 1 (Llama 3's) when that bound is a whole
+    number of tokens, else 8192 (Llama 3.1's).
+    """
     from taps_jax.models.layers import rope_inv_freq
 
-    for low, high in candidates:
-        scaling = RopeScaling(factor, low, high, original)
-        got = inv_freq / rope_inv_freq(head_dim, theta, scaling)
-        if np.allclose(got, factors, rtol=1e-4):
-            return scaling
-    raise ValueError(f"{f.path}: {ROPE_FREQS} does not follow Llama-3 rope scaling; not supported")
+    f = np.asarray(factors, np.float64)
+    factor = float(f.max())
+    if factor <= 1 or f.min() < 1 - 1e-6 or np.any(np.diff(f) < -1e-6 * factor):
+        return None  # Llama-3 factors rise from 1 to `factor` as the wavelength grows
+    base = theta ** -(np.arange(0, head_dim, 2) / head_dim)
+    u = base / (2 * np.pi)  # 1 / wavelength, decreasing
+    s = (1 / f - 1 / factor) / (1 - 1 / factor)  # 1 where a factor is 1, 0 where it is `factor`
+    mid = np.flatnonzero((s > 1e-6) & (s < 1 - 1e-6))
+    windows = []  # (u_lo, u_hi): the bounds in 1 / wavelength, s = (u - u_lo) / (u_hi - u_lo) between them
+    if mid.size >= 2:
+        slope, intercept = np.polyfit(u[mid], s[mid], 1)
+        if slope > 0:
+            windows.append((-intercept / slope, (1 - intercept) / slope))
+    elif mid.size == 1:
+        j = int(mid[0])
+        uj, sj = u[j], s[j]
+        windows.append((uj / (1 + 3 * sj), 4 * uj / (1 + 3 * sj)))
+        if j > 0:  # the short bound at the next shorter wavelength
+            windows.append(((uj - sj * u[j - 1]) / (1 - sj), u[j - 1]))
+        if j + 1 < u.size:  # the long bound at the next longer wavelength
+            windows.append((u[j + 1], u[j + 1] + (uj - u[j + 1]) / sj))
+    else:
+        b = int(np.argmax(s < 0.5))  # the first frequency scaled by the full factor
+        windows.append((u[b], 4 * u[b] if b == 0 else min(4 * u[b], u[b - 1])))
+    tidy_factor = float(f"{factor:.6g}")
+    for u_lo, u_hi in windows:
+        if not 0 < u_lo < u_hi:
+            continue
+        low_wavelen, high_wavelen = 1 / u_lo, 1 / u_hi
+        context = original
+        if context is None:
+            whole = round(low_wavelen)
+            context = whole if whole >= 1 and abs(low_wavelen - whole) <= 1e-5 * low_wavelen else 8192
+        low, high = context / low_wavelen, context / high_wavelen
+        for candidate in ((tidy_factor, float(f"{low:.6g}"), float(f"{high:.6g}")), (factor, low, high)):
+            scaling = RopeScaling(*map(float, candidate), int(context))
+            if np.allclose(base / rope_inv_freq(head_dim, theta, scaling), f, rtol=1e-5, atol=0):
+                return scaling
+    return None
 
 
 # --- the tensor source of `taps_jax.checkpoints.tensors.load_weights` -------

@@ -8,7 +8,7 @@ from pathlib import Path
 from flax import nnx
 
 from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, write_tensors
-from taps_jax.config import FAMILIES, ModelConfig, RopeScaling
+from taps_jax.config import FAMILIES, ModelConfig, RopeFactors, RopeScaling
 from taps_jax.models.transformer import Transformer
 
 ARCHITECTURES = {
@@ -165,14 +165,26 @@ def config_to_hf(config: ModelConfig, extra: dict | None = None) -> dict:
         "torch_dtype": config.dtype,
     }
     if config.rope_scaling is not None:
-        s = config.rope_scaling
-        raw["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
+        raw["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     raw.update(extra or {})
     return raw
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | RopeFactors) -> dict:
+    """The config.json `rope_scaling` object (Llama 3's). Per-frequency factors (a GGUF's rope_freqs) are
+    written as the Llama-3 scaling that gives them; ValueError when none does, as a Hugging Face config has
+    no way to hold arbitrary factors (writing any other rope would run a different model)."""
+    if isinstance(scaling, RopeFactors):
+        if scaling.llama3 is None:
+            raise ValueError("the model's rope factors (a GGUF's rope_freqs.weight) follow no Llama-3 rope "
+                             "scaling, and a Hugging Face config.json can hold no other per-frequency factors; use "
+                             "the GGUF file itself")
+        scaling = scaling.llama3
+    return {
+        "rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
 
 
 def _prefix(path: tuple) -> str:
@@ -202,6 +214,7 @@ def load_transformer(path, dtype: str = "float32") -> tuple[Transformer, dict]:
 def save_transformer(model: Transformer, path, extra_config: dict | None = None) -> None:
     """Write config.json + model.safetensors in the HF layout."""
     path = Path(path)
+    config = config_to_hf(model.config, extra_config)  # a config it cannot write fails before anything is written
     path.mkdir(parents=True, exist_ok=True)
     write_tensors(path, module_to_tensors(model, _prefix))
-    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, extra_config), indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from taps_jax.config import RopeScaling
+from taps_jax.config import RopeFactors, RopeScaling
 
 
 class RMSNorm(nnx.Module):
@@ -46,21 +46,38 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies [head_dim/2], with optional Llama 3 scaling (host-side)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | RopeFactors | None) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] (host-side): plain, Llama 3 scaled (Hugging Face's rule), or divided
+    by per-frequency factors (llama.cpp's rule for a GGUF's `rope_freqs`).
+
+    Rounded step by step in float32 exactly as transformers builds its rotary buffer (its float64 runs too:
+    the buffer is made in float32 and the angles are taken in float32): the checkpoints were trained with
+    these values, and one ulp off in a frequency is position x ulp off in its angle (issue 35: computed in
+    float64 and rounded once, 24 of Qwen3-4B's 64 frequencies were an ulp away: past position 1,000, 4-8x
+    transformers' own float32 error from its float64 run, tests/test_precision.py).
+    """
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / f32(head_dim)  # torch.arange(...).float() / dim
+    # theta ** exponent rounded once to float32 (a correctly rounded powf; torch's differs in ~1% of cases), then 1 / x.
+    inv_freq = f32(1) / (np.float64(f32(theta)) ** exponent.astype(np.float64)).astype(np.float32)
     if scaling is None:
-        return inv_freq.astype(np.float32)
-    # Llama 3: keep high frequencies, divide low ones by `factor`, blend between.
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return inv_freq
+    if isinstance(scaling, RopeFactors):
+        factors = np.asarray(scaling.factors, np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.size} rope factors for head_dim {head_dim} ({inv_freq.size} frequencies)")
+        return (inv_freq.astype(np.float64) / factors).astype(np.float32)
+    # Llama 3 (transformers' _compute_llama3_parameters, every op in float32): keep high frequencies, divide
+    # low ones by `factor`, blend between.
+    original = scaling.original_max_position_embeddings
+    low_wavelen = f32(original / scaling.low_freq_factor)
+    high_wavelen = f32(original / scaling.high_freq_factor)
+    wavelen = f32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / f32(scaling.factor), inv_freq)
+    smooth = (f32(original) / wavelen - f32(scaling.low_freq_factor)) / f32(
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (f32(1) - smooth) * scaled / f32(scaling.factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
