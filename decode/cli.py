@@ -2,10 +2,11 @@
 
     taps-decode --prompt TEXT [--policy P] [--mesh D,M] ...
     taps-decode --chat [--prompt TEXT] ...   (one user turn; without --prompt an interactive session)
-    taps-decode --prompts IN.jsonl --out OUT.jsonl [--batch-size B] [--shard I/N] [--force-new] ...   (a job)
+    taps-decode --prompts IN.jsonl --out OUT.jsonl [--batch-size B] [--static-batches] [--shard I/N] ...   (a job)
 
-The job mode (decode/jobs.py) writes one JSON line per prompt as its batch
-finishes and, rerun after an interruption, skips the prompts already written.
+The job mode (decode/jobs.py) writes one JSON line per prompt as it
+finishes (a finished row takes the next prompt; --static-batches: as its
+batch finishes) and, rerun after an interruption, skips the prompts already written.
 Everything a job can refuse (its output, its settings, the scorer's target)
 is checked before any model is loaded.
 """
@@ -74,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="job output: one JSON line per prompt (id, text, num_tokens, finish_reason, tau); "
                         "rerunning skips prompts already written")
     p.add_argument("--batch-size", type=positive_int, default=8,
-                   help="job mode: prompts per batch (default 8; padded to a multiple of the mesh's data axis)")
+                   help="job mode: prompts decoded at once (default 8; padded to a multiple of the mesh's data axis)")
+    p.add_argument("--static-batches", action="store_true",
+                   help="job mode: decode in batches that each end with their longest answer (rows that stopped "
+                        "ride along) instead of the default continuous batching, where a finished row takes the next "
+                        "prompt (a data-parallel mesh always uses static batches)")
+    p.add_argument("--refill-rows", type=positive_int, default=None, metavar="K",
+                   help="job mode: continuous batching returns to the host when K rows have finished and refills "
+                        "them at once (default: an eighth of --batch-size, at least 1); at most --batch-size")
     p.add_argument("--shard", type=shard_arg, metavar="I/N",
                    help="job mode: decode only shard I of N (every N-th prompt by id, I from 0) into its own --out; "
                         "join the shards with python -m decode.merge")
@@ -125,7 +133,7 @@ def check_args(args) -> None:
         raise ValueError("--out is for job mode; pass --prompts IN.jsonl too, or drop --out")
     if args.prompts is not None and args.stream:
         raise ValueError("--stream is for a single --prompt; a job (--prompts) writes each result to --out as its "
-                         "batch finishes")
+                         "prompt finishes")
     if args.adaptive_costs is not None:
         if args.policy != "adaptive":
             raise ValueError("--adaptive-costs is for --policy adaptive; drop it or use --policy adaptive")
@@ -135,9 +143,15 @@ def check_args(args) -> None:
         if len(args.adaptive_costs) != len(budgets):
             raise ValueError(f"--adaptive-costs needs {len(budgets)} values, one per budget "
                              f"{','.join(map(str, budgets))} of --budget {args.budget}; got {len(args.adaptive_costs)}")
-    for flag, value in (("--shard", args.shard), ("--force-new", args.force_new)):
+    for flag, value in (("--shard", args.shard), ("--force-new", args.force_new),
+                        ("--static-batches", args.static_batches), ("--refill-rows", args.refill_rows)):
         if args.prompts is None and value:
             raise ValueError(f"{flag} is for job mode; pass --prompts IN.jsonl --out OUT.jsonl too, or drop {flag}")
+    if args.refill_rows is not None and args.static_batches:
+        raise ValueError("--refill-rows is for continuous batching; drop it or drop --static-batches")
+    if args.refill_rows is not None and args.refill_rows > args.batch_size:
+        raise ValueError(f"--refill-rows {args.refill_rows} is more than --batch-size {args.batch_size}: a refill "
+                         "fills at most every row; lower it")
 
 
 def build_decoder(args, mesh) -> SpeculativeDecoder:
@@ -177,7 +191,8 @@ def main(argv=None) -> int:
         with open_cli_job(args, dirs) as job:  # every refusal comes before any model is loaded
             decoder = build_decoder(args, mesh)
             try:
-                decode_job(decoder, job, batch_size=args.batch_size)
+                decode_job(decoder, job, batch_size=args.batch_size, static_batches=args.static_batches,
+                           refill_rows=args.refill_rows)
             except KeyboardInterrupt:
                 print(f"interrupted: finished prompts are in {args.out}; rerun the same command to do the rest",
                       file=sys.stderr)

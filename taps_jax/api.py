@@ -20,7 +20,7 @@ from taps_jax.checkpoints import gguf
 from taps_jax.checkpoints.tensors import load_weights
 from taps_jax.checkpoints.tokenizer import Tokenizer, load_dir_tokenizer, load_gguf_tokenizer, stop_ids
 from taps_jax.config import ModelConfig
-from taps_jax.engine.ar import DecodeConfig, ar_advance, ar_generate, ar_outputs, ar_start
+from taps_jax.engine.ar import DecodeConfig, ar_advance, ar_generate, ar_outputs, ar_refill, ar_start, ar_until
 from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, pad_batch
 from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
@@ -132,7 +132,8 @@ class Target:
         mesh = self.mesh
         args = (self._static_graph, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
                 sharding.put_batch(active, mesh), jax.random.key(seed))
-        programs = Programs(ar_generate, ar_start, ar_advance, lambda s, kw: ar_outputs(s), ("graphdef", "config"))
+        programs = Programs(ar_generate, ar_start, ar_advance, lambda s, kw: ar_outputs(s), ("graphdef", "config"),
+                            ar_until, ar_refill)
         return GenerateCall(programs, args, {"config": config},
                             lambda out: self._result(*out, len(ids)), mesh, estimate)
 

@@ -40,9 +40,10 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy
+import numpy as np
 
 from taps_jax import compile_cache, sharding
-from taps_jax.engine.prefill import RUNNING
+from taps_jax.engine.prefill import FINISH_NAMES, LENGTH, RUNNING
 from taps_jax.engine.sizing import MemoryEstimate, raise_out_of_memory
 from taps_jax.engine.static import StaticGraph
 
@@ -74,6 +75,9 @@ class Programs:
     advance: Callable
     outputs: Callable
     static: tuple[str, ...]  # static argument names: baked into an executable, not passed to it
+    # Continuous batching (`taps_jax.engine.refill`; `GenerateCall.refilled`):
+    until: Callable | None = None  # until(*model, state, need, limit, **kw): advance until `need` rows are stopped
+    refill: Callable | None = None  # refill(*model, state, prompt [K, T], lens [K], rows [K], **kw) -> state
 
 
 def _dynamic(fn, static: tuple[str, ...], args, kwargs):
@@ -298,7 +302,167 @@ class GenerateCall:
             yield result
             state = self._on_devices(self._call, "advance", *self._model_args, state, chunk)
 
+    def refilled(self, ids, refill_rows: int, limit: int = 1 << 30) -> "Refilled":
+        """Decode every prompt of `ids` (token lists) in this call's batch rows, a finished row taking the next
+        prompt (continuous batching): see `Refilled`. The call must have been prepared for prompts at least as
+        long as the longest of `ids` (its prompt buffer and cache fit them all) and its batch rows."""
+        if self.programs.until is None:
+            raise ValueError("this decoder's programs cannot refill rows; decode in static batches")
+        return Refilled(self, [list(map(int, p)) for p in ids], refill_rows, limit)
+
     def _on_devices(self, fn, *args):
         # Entered per call, not across a yield: the caller's code between chunks runs outside the mesh.
         with sharding.use_mesh(self.mesh), raise_out_of_memory(self.estimate):
             return fn(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """One prompt of a refilled run, when its row finished."""
+
+    index: int  # its position in the run's list of prompts
+    tokens: list[int]
+    finish_reason: str
+    rounds: int  # loop steps its row ran (AR: tokens after the first, which comes with the prefill)
+    accepted_lengths: list[int] | None  # per round (speculative programs); None for AR
+
+
+class Refilled:
+    """Continuous batching, driven from the host: iterate it for lists of `Finished` prompts, in completion order
+    (one list per return of the loop to the host: what a job writes in one append).
+
+    The batch starts with the first B prompts (the call's start program).
+    Then, repeatedly: the loop runs on device until K more rows have stopped
+    (`until`: K = refill_rows, fewer when fewer run) and returns; the host
+    reads the tokens (one small copy), hands out the finished rows and one
+    compiled `refill` program prefills up to K pending prompts into freed
+    rows, every other row staying where it was on device. K trades refill
+    dispatches and prefill of padding rows (small K) against finished rows
+    idling until K of them are free (large K).
+
+    steps / row_steps: loop steps run, and the row-steps that decoded a
+    prompt (the rest: finished or empty rows riding along); `utilisation`
+    = row_steps / (rows x steps).
+    """
+
+    def __init__(self, call: GenerateCall, ids: list[list[int]], refill_rows: int, limit: int):
+        prompt = call.args[-4]
+        self.call, self.ids, self.limit = call, ids, limit
+        self.rows, self.width = prompt.shape
+        if isinstance(refill_rows, bool) or not isinstance(refill_rows, int) or not 1 <= refill_rows <= self.rows:
+            raise ValueError(f"refill_rows must be an integer in [1, {self.rows}] (rows per refill), got "
+                             f"{refill_rows!r}")
+        if not ids:
+            raise ValueError("no prompts given; pass at least one prompt")
+        longest = max(map(len, ids))
+        if longest > self.width:
+            raise ValueError(f"a prompt of {longest} tokens does not fit this call's prompt buffer of {self.width}; "
+                             "prepare the call with the run's longest prompts")
+        self.refill_rows = refill_rows
+        self.steps = self.row_steps = self.refills = 0
+
+    @property
+    def utilisation(self) -> float:
+        return self.row_steps / max(self.rows * self.steps, 1)
+
+    def _refill_width(self, indices: list[int]) -> int:
+        """The prompt buffer of a refill: its prompts' own bucket, so short prompts prefill short chunks (the
+        refill program compiles once per bucket), unless that would size the cache otherwise (then the run's)."""
+        from taps_jax.engine.batching import bucket
+        from taps_jax.engine.prefill import cache_slots
+
+        config = self.call.kwargs["config"]
+        decode = getattr(config, "decode", config)
+        width = min(bucket(max(len(self.ids[i]) for i in indices)), self.width)
+        same = (cache_slots(decode.capacity, width, decode.prefill_chunk)
+                == cache_slots(decode.capacity, self.width, decode.prefill_chunk))
+        return width if same else self.width
+
+    def _pad(self, indices: list[int], count: int, width: int | None = None):
+        """Prompts `indices` as a [count, width] buffer, lens and active (missing rows: the first prompt, inactive)."""
+        prompt = np.zeros((count, width or self.width), np.int32)
+        lens = np.zeros((count,), np.int32)
+        for r in range(count):
+            p = self.ids[indices[r] if r < len(indices) else indices[0]]
+            prompt[r, :len(p)] = p
+            lens[r] = len(p)
+        return prompt, lens, np.arange(count) < len(indices)
+
+    def _outputs(self, state):
+        out = self.call._on_devices(lambda: tuple(map(sharding.to_host, self.call.programs.outputs(state,
+                                                                                                 self.call.kwargs))))
+        return out, (out[3] if len(out) > 3 else out[1])  # per-row progress: rounds (speculative), tokens (AR)
+
+    def __iter__(self) -> Iterator[list[Finished]]:
+        call, B, mesh = self.call, self.rows, self.call.mesh
+        put = lambda x: sharding.put_batch(x, mesh)
+        row_of = [-1] * B  # prompt index each row decodes (-1: none)
+        first = list(range(min(B, len(self.ids))))
+        prompt, lens, active = self._pad(first, B)
+        row_of[:len(first)] = first
+        following = len(first)
+        state = call._on_devices(call._call, "start", *call._model_args, put(prompt), put(lens), put(active),
+                                 call.args[-1])
+        out, progress_B = self._outputs(state)
+        while True:
+            done = self._hand_out(out, row_of)
+            if done:
+                yield done
+            free = [r for r in range(B) if row_of[r] < 0]
+            if free and following < len(self.ids):  # refill, then read again (a new row may stop at once)
+                taken = free[:self.refill_rows]
+                indices = list(range(following, following + min(len(taken), len(self.ids) - following)))
+                taken = taken[:len(indices)]
+                following += len(indices)
+                prompt, lens, _ = self._pad(indices, self.refill_rows, self._refill_width(indices))
+                rows = np.array(taken + [B] * (self.refill_rows - len(taken)), np.int32)  # B: a dropped entry
+                state = call._on_devices(call._call, "refill", *call._model_args, state, put(prompt), put(lens),
+                                         put(rows))
+                for r, i in zip(taken, indices):
+                    row_of[r] = i
+                self.refills += 1
+                out, progress_B = self._outputs(state)
+                continue
+            running = int((out[2] == RUNNING).sum())
+            if running == 0:
+                break
+            # Stop when K more rows are free for pending prompts; with none pending, run to the end.
+            more = min(self.refill_rows, running) if following < len(self.ids) else running
+            state = call._on_devices(call._call, "until", *call._model_args, state, B - running + more, self.limit)
+            out, now_B = self._outputs(state)
+            self.steps += int((now_B - progress_B).max())  # a row that ran the whole time ran every step
+            progress_B = now_B
+        # An adaptive decoder keeps the run's statistics and probe clock for its next call; rows that never held a
+        # prompt (-1) read as stopped by length there (their result is dropped).
+        call.finish((*out[:2], np.where(out[2] < 0, LENGTH, out[2]), *out[3:]))
+
+    def _hand_out(self, out, row_of: list[int]) -> list[Finished]:
+        tokens_BN, n_B, finish_B = out[:3]
+        done = []
+        for r, i in enumerate(row_of):
+            if i < 0 or finish_B[r] == RUNNING:
+                continue
+            row_of[r] = -1
+            if len(out) > 3:
+                rounds = int(out[3][r])
+                accepted = out[4][r, :rounds].tolist()
+            else:
+                rounds, accepted = int(n_B[r]) - 1, None
+            self.row_steps += rounds
+            done.append(Finished(i, tokens_BN[r, :n_B[r]].tolist(), FINISH_NAMES[int(finish_B[r])], rounds,
+                                 accepted))
+        return done
+
+
+def refilled(decoder, prompts, max_new_tokens: int, *, rows: int, refill_rows: int, **options) -> Refilled:
+    """Continuous batching of `prompts` on `rows` batch rows (a `Target` or a `SpeculativeDecoder`): iterate the
+    result for lists of `Finished` prompts (`Refilled`). The call is prepared for the `rows` longest prompts
+    (repeated up to `rows` when there are fewer), so its batch shape is the same for every run of `rows` and its
+    prompt buffer, cache and memory check fit every prompt of the run; options: as `generate`'s."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive integer (batch rows), got {rows!r}")
+    target = getattr(decoder, "target", decoder)
+    ids = target.encode(prompts)
+    longest = sorted(ids, key=len)[-rows:]
+    call = decoder.prepare(longest + longest[:1] * (rows - len(longest)), max_new_tokens, **options)
+    return call.refilled(ids, refill_rows)

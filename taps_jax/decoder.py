@@ -24,7 +24,8 @@ from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK, RUNNING
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.engine.static import StaticGraph
-from taps_jax.engine.speculative import SpecConfig, spec_advance, spec_generate, spec_outputs, spec_start
+from taps_jax.engine.speculative import (SpecConfig, spec_advance, spec_generate, spec_outputs, spec_refill, spec_start,
+                                         spec_until)
 from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 from taps_jax.models.drafter import Drafter
 from taps_jax.tree.lookup import LookupTable
@@ -306,7 +307,8 @@ class SpeculativeDecoder:
             kwargs.update(costs_K=self._device_costs[self.branch_costs], force=self._no_force,
                           max_rounds=self._no_limit, prior=prior, clock=clock)
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
-                            ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"))
+                            ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"), spec_until,
+                            spec_refill)
         return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), key), mesh, estimate)
 
     def _trees_never_pay(self, prior: np.ndarray) -> bool:

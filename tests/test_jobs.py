@@ -139,17 +139,24 @@ def test_run_job_writes_each_prompt_once_and_resumes(tmp_path):
 
 
 def test_a_job_shares_programs_and_reports_them(tmp_path, capsys):
-    """Batches in length order, the last one topped up: one program per (prompt buffer, cache) shape, listed."""
+    """Static batches in length order, the last one topped up: one program per (prompt buffer, cache) shape,
+    listed. Refilled rows (the default): one run per prompt bucket, its cache sized for the bucket's longest."""
     target, _ = tiny_pair(VOCAB)
     decoder = SpeculativeDecoder(target, None, "ar")
     lengths = [12, 9, 12, 9, 12]  # prompt buffer 16 for all; cache 16 (9 + NEW) or 32 (12 + NEW)
     f = write_jsonl(tmp_path / "in.jsonl", [{"ids": [1 + i] * n} for i, n in enumerate(lengths)])
-    s = jobs.run_job(decoder, f, tmp_path / "out.jsonl", batch_size=2, max_new_tokens=NEW)
+    s = jobs.run_job(decoder, f, tmp_path / "out.jsonl", batch_size=2, max_new_tokens=NEW, static_batches=True)
     assert s["written"] == 5 and s["programs"] == 2  # the lone 12-token prompt runs the full batch's program
-    assert "2 decode programs (batch x prompt buffer x cache slots: 2x16x16, 2x16x32)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "2 decode programs (batch x prompt buffer x cache slots: 2x16x16, 2x16x32)" in err
+    assert "slot utilisation 83%" in err  # 3 batches x 2 rows x 5 steps; the last batch's copy rides along
     rows = {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "out.jsonl")}
     alone = target.generate([[1 + 4] * 12], NEW).tokens[0]  # the topped-up batch's copies change nothing
     assert rows[4] == alone and len(rows) == 5
+    s = jobs.run_job(decoder, f, tmp_path / "refilled.jsonl", batch_size=2, max_new_tokens=NEW)
+    assert s["written"] == 5 and s["programs"] == 1 and s["utilisation"] > 0.8
+    assert "1 decode program (batch x prompt buffer x cache slots: 2x16x32)" in capsys.readouterr().err
+    assert {r["id"]: r["token_ids"] for r in read_rows(tmp_path / "refilled.jsonl")} == rows
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

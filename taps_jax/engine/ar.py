@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from taps_jax.engine.prefill import PREFILL_CHUNK, RUNNING, prefill, stop_reason
+from taps_jax.engine.refill import put_rows, until_finished
 from taps_jax.engine.sampling import SamplingConfig, sample
 from taps_jax.engine.static import merge
 from taps_jax.models.cache import KVCache
@@ -123,3 +124,28 @@ def bounded_loop(step, state, limit):
 
     state, _ = jax.lax.while_loop(lambda c: running(c[0]) & (c[1] < limit), body, (state, jnp.int32(0)))
     return state
+
+
+# Continuous batching (`taps_jax.engine.refill`): run until `need` rows are stopped, then refill K rows.
+
+AR_ROW_FIELDS = ("pending_B", "out_BN", "generated_B", "finish_B")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def ar_until(graphdef, params, state: ARState, need, limit, *, config: DecodeConfig) -> ARState:
+    """`ar_advance` that also stops once `need` rows are stopped (finished or padding)."""
+    model = merge(graphdef, params)
+    return until_finished(lambda s: ar_step(model, s, config), state, need, limit)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def ar_refill(graphdef, params, state: ARState, prompt_KT, prompt_len_K, rows_K, *, config: DecodeConfig) -> ARState:
+    """Prefill K new prompts into rows `rows_K` (an index >= B: a padding entry, dropped); other rows untouched.
+    prompt_KT may be narrower than the run's prompt buffer (not its cache slots: `calls.Refilled`).
+
+    A refilled row is exactly `ar_init`'s row for its prompt: its own cache, first token and counters.
+    """
+    B = state.pending_B.shape[0]
+    key, sub = jax.random.split(state.key)
+    part = ar_init(merge(graphdef, params), prompt_KT, prompt_len_K, rows_K < B, sub, config)
+    return put_rows(state, part, rows_K, AR_ROW_FIELDS, ("cache",)).replace(key=key)

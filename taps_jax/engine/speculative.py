@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from taps_jax.engine import adaptive as adapt
 from taps_jax.engine.ar import DecodeConfig, bounded_loop, running
 from taps_jax.engine.prefill import RUNNING, cache_slots, prefill, stop_reason
+from taps_jax.engine.refill import put_rows, stopped, until_finished
 from taps_jax.engine.sampling import sample
 from taps_jax.engine.static import merge
 from taps_jax.models.cache import KVCache
@@ -77,12 +78,15 @@ def _merge(target_graphdef, target_params, drafter_graphdef, drafter_params, sco
     return target, drafter, scorer
 
 
+# SpecState's per-sequence fields besides the caches (what a refill replaces; `key` is shared).
+ROW_FIELDS = ("ctx_taps_BAF", "ctx_count_B", "bonus_B", "out_BN", "generated_B", "finish_B", "rounds_B", "accepted_BR",
+              "prompt_BP", "prompt_len_B")
+
+
 def _pin(state: SpecState) -> SpecState:
     """Keep caches on (-, data, model, -, -) and per-sequence fields on data (no-op without a mesh)."""
     caches = dict(cache=constrain_kv_cache(state.cache), dcache=constrain_kv_cache(state.dcache))
-    rest = {f: constrain_batch(getattr(state, f)) for f in
-            ("ctx_taps_BAF", "ctx_count_B", "bonus_B", "out_BN", "generated_B", "finish_B", "rounds_B", "accepted_BR",
-             "prompt_BP", "prompt_len_B")}
+    rest = {f: constrain_batch(getattr(state, f)) for f in ROW_FIELDS}
     return state.replace(**caches, **rest)
 
 
@@ -326,18 +330,18 @@ def tree_round(target, drafter, scorer, s: SpecState, config: SpecConfig, budget
 SIGNAL_EVERY = 4  # AR steps between reads of the text signal inside an AR run
 
 
-def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
+def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit, need=None):
     """Consecutive AR rounds (branch 0), as many as the per-round choice would make in a row.
 
     While branch 0 is chosen, an AR round changes no estimate, only the cost
     spent, the text (so the signal) and which sequences run; so the run goes
     on until the signal (read every SIGNAL_EVERY steps) makes another branch
-    the best, a probe is due (spent >= wait), every sequence stops, or
-    `limit` rounds. The pending tap queue holds A steps: when it is full the
-    run hands it to the drafter's context and goes on (a run of a forced AR
-    branch, the calibration's, is A steps). The choice and the statistics are
-    paid once per run, not per step: a sequence's AR rounds are the tokens it
-    emitted in the run.
+    the best, a probe is due (spent >= wait), every sequence stops, `need`
+    rows are stopped (a refill is due) or `limit` rounds. The pending tap
+    queue holds A steps: when it is full the run hands it to the drafter's
+    context and goes on (a run of a forced AR branch, the calibration's, is
+    A steps). The choice and the statistics are paid once per run, not per
+    step: a sequence's AR rounds are the tokens it emitted in the run.
     """
     ac = config.adaptive
     s, st = carry
@@ -370,8 +374,11 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
         s, absorbed_B = run_if((i % A == 0) & (i > 0), absorb, (s, absorbed_B))
         return ar_round(target, drafter, s, config, i % A), i + 1, absorbed_B
 
-    s, ran, absorbed_B = jax.lax.while_loop(lambda c: (c[1] < steps) & running(c[0]) & stay(c[1], c[0]), step,
-                                            (s, jnp.int32(0), generated0_B))
+    def go(c):
+        more = (c[1] < steps) & running(c[0])
+        return (more if need is None else more & (stopped(c[0]) < need)) & stay(c[1], c[0])
+
+    s, ran, absorbed_B = jax.lax.while_loop(go, step, (s, jnp.int32(0), generated0_B))
     ran_B = s.generated_B - generated0_B  # one token per round while running
     r_BN = jnp.arange(N)[None] - s.rounds_B[:, None]
     r_R = jnp.arange(R) - st.round
@@ -382,13 +389,15 @@ def ar_run(target, drafter, carry, costs_K, config: SpecConfig, force, limit):
     return _pin(s), st
 
 
-def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, force, limit):
+def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, force, limit, need=None):
     """The loop of the adaptive policy: per round, choose a branch, run it, update the statistics.
 
     carry: (SpecState, AdaptiveState); runs while a sequence runs and the
     round count is below `limit`. force >= 0: run that branch every round
     (data, for the calibration: `taps_jax.engine.calibrate`). A choice of
-    branch 0 runs AR rounds until the choice could change (`ar_run`).
+    branch 0 runs AR rounds until the choice could change (`ar_run`). need:
+    also stop once that many rows are stopped (continuous batching,
+    `taps_jax.engine.refill`; None: never).
     """
     ac = config.adaptive
 
@@ -398,7 +407,7 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
         q_B = adapt.signal_buckets(s.prompt_BP, s.prompt_len_B, s.out_BN, s.generated_B, ac)
         k, probe = adapt.choose(st, q_B, running_B, costs_K, ac)
         k = jnp.where(force >= 0, force, k)
-        carry = run_if(k == 0, lambda c: ar_run(target, drafter, c, costs_K, config, force, limit), carry)
+        carry = run_if(k == 0, lambda c: ar_run(target, drafter, c, costs_K, config, force, limit, need), carry)
         for i, budget in enumerate(ac.budgets[1:], start=1):
             def branch(c, i=i, budget=budget):
                 s, accepted_BK = tree_round(target, drafter, scorer, c[0], config, budget)
@@ -406,7 +415,11 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
             carry = run_if(k == i, branch, carry)
         return carry
 
-    return jax.lax.while_loop(lambda c: running(c[0]) & (c[1].round < limit), body, carry)
+    def go(c):
+        more = running(c[0]) & (c[1].round < limit)
+        return more if need is None else more & (stopped(c[0]) < need)
+
+    return jax.lax.while_loop(go, body, carry)
 
 
 # The loop carry: SpecState for a fixed policy, (SpecState, AdaptiveState)
@@ -506,3 +519,49 @@ def spec_advance(
     limit = jnp.minimum(carry[1].round + rounds, _round_limit(max_rounds, config))
     return adaptive_loop(target, drafter, scorer, carry, jnp.asarray(costs_K, jnp.float32), config,
                          jnp.asarray(force, jnp.int32), limit)
+
+
+# Continuous batching (`taps_jax.engine.refill`): run until `need` rows are stopped, then refill K rows. The
+# adaptive statistics and probe clock are the batch's, so they run on across refills (one branch per round for
+# the whole batch: every row shares the round's forward).
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
+def spec_until(
+    target_graphdef, target_params, drafter_graphdef, drafter_params, carry, need, rounds, *, config: SpecConfig,
+    scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None, prior=None, clock=None,
+):
+    """`spec_advance` that also stops once `need` rows are stopped (finished or padding)."""
+    target, drafter, scorer = _merge(
+        target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
+    )
+    if config.adaptive is None:
+        return until_finished(lambda s: round_step(target, drafter, scorer, s, config), carry, need, rounds)
+    limit = jnp.minimum(carry[1].round + rounds, _round_limit(max_rounds, config))
+    return adaptive_loop(target, drafter, scorer, carry, jnp.asarray(costs_K, jnp.float32), config,
+                         jnp.asarray(force, jnp.int32), limit, need)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
+def spec_refill(
+    target_graphdef, target_params, drafter_graphdef, drafter_params, carry, prompt_KT, prompt_len_K, rows_K, *,
+    config: SpecConfig, scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None,
+    prior=None, clock=None,
+):
+    """Prefill K new prompts into rows `rows_K` (an index >= B: a padding entry, dropped); other rows untouched.
+    prompt_KT may be narrower than the run's prompt buffer (not its cache slots: `calls.Refilled`).
+
+    A refilled row is exactly `init_state`'s row for its prompt: target cache, drafter context, first token,
+    pending taps (none) and counters; a neighbour mid-way through its rounds keeps all of its own.
+    """
+    target, drafter, _ = _merge(
+        target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
+    )
+    state = carry if config.adaptive is None else carry[0]
+    B = state.bonus_B.shape[0]
+    key, sub = jax.random.split(state.key)
+    part = init_state(target, drafter, prompt_KT, prompt_len_K, rows_K < B, sub, config)
+    P = state.prompt_BP.shape[1]  # a refill's prompt buffer may be narrower than the run's (short prompts)
+    part = part.replace(prompt_BP=jnp.pad(part.prompt_BP, ((0, 0), (0, P - part.prompt_BP.shape[1]))))
+    state = _pin(put_rows(state, part, rows_K, ROW_FIELDS, ("cache", "dcache")).replace(key=key))
+    return state if config.adaptive is None else (state, carry[1])
