@@ -12,11 +12,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=N in the child's environment.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -25,19 +22,9 @@ import pytest
 
 N_CPU_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", N_CPU_DEVICES)
-
-# One compile cache for the whole run, in a temporary directory (never your home), removed when the run ends:
-# the xdist workers and every subprocess a test starts inherit it, so a program compiled (and lowered) by one test
-# is loaded, not compiled again, by the next test, module or process that builds the same program (the suite clears
-# JAX's in-memory caches after each module, below). The adaptive calibration's costs are shared the same way.
-# Tests of the cache itself (test_compile_cache.py) and of a first run's notices use private directories.
-# TAPS_JAX_COMPILE_CACHE=0 in your environment turns it off: every test then compiles what it runs.
-SUITE_CACHE_ENV = "TAPS_JAX_SUITE_CACHE_DIR"
-if SUITE_CACHE_ENV not in os.environ:  # the first process of the run (pytest itself) makes it; the rest inherit it
-    os.environ[SUITE_CACHE_ENV] = tempfile.mkdtemp(prefix="taps-jax-suite-cache-")
-    atexit.register(shutil.rmtree, os.environ[SUITE_CACHE_ENV], True)
-os.environ.setdefault("TAPS_JAX_CACHE_DIR", os.environ[SUITE_CACHE_ENV])
-os.environ.setdefault("TAPS_JAX_COMPILE_CACHE", "1")
+# Tests compile what they test and write nothing to your home: no on-disk compile cache (tests/test_compile_cache.py
+# turns it on in a private dir). Subprocesses inherit it.
+os.environ.setdefault("TAPS_JAX_COMPILE_CACHE", "0")
 
 # Tiny shapes shared by every family: GQA with 4 query heads over 2 kv heads.
 TINY = dict(
