@@ -40,7 +40,7 @@ def tiny_llama(theta: float, scaling: dict | None, max_positions: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(40.0)  # sharp attention: which position a head looks at depends on its rope angles
+                p.mul_(8.0)  # sharp attention: which position a head looks at depends on its rope angles
             elif name == "lm_head.weight":
                 p.mul_(20.0)
     return model
