@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
-import numpy
 import numpy as np
 
 from taps_jax import compile_cache, sharding
@@ -121,11 +120,11 @@ def _stable_repr(value) -> str:
 def _plain(value) -> str:
     """A static argument spelled out field by field (a repr may elide, as numpy's does, or leave fields out);
     TypeError when it is not plain data (then nothing is kept)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, numpy.generic)):
+    if value is None or isinstance(value, (bool, int, float, str, bytes, np.generic)):
         return repr(value)  # a float's repr round-trips
     if isinstance(value, StaticGraph):
         return _stable_repr(value)
-    if isinstance(value, numpy.dtype):
+    if isinstance(value, np.dtype):
         return f"dtype({value.str})"
     if isinstance(value, enum.Enum):
         return f"{type(value).__qualname__}.{value.name}"
@@ -187,7 +186,7 @@ def lowered_key(fn, static: tuple[str, ...], args: tuple, kwargs: dict, mesh) ->
     facts = [f"{module}.{name}", statics, _stable_repr(treedef),
              [[jax.tree_util.keystr(path), *_leaf(x)] for path, x in leaves], repr(mesh),
              [d.id for d in mesh.devices.flat] if mesh is not None else None, devices,
-             sys.version, jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__, settings, env,
+             sys.version, jax.__version__, jaxlib.__version__, flax.__version__, np.__version__, settings, env,
              _cpu_model(), compile_cache.source_digest()]
     return hashlib.sha256(json.dumps(facts, default=repr).encode()).hexdigest()[:32]
 
