@@ -59,6 +59,18 @@ class RopeFactors:
             raise ValueError(f"rope factor {bad[0][0]} is {bad[0][1]!r}; every factor must be positive and finite")
 
 
+def llama3_rope(scaling, whose: str, then: str) -> RopeScaling | None:
+    """The rope a config.json records for `scaling`: Llama-3 scaling (per-frequency factors as their Llama-3
+    equivalent), or None for plain rope. ValueError (`whose` factors ..., `then`) when the factors follow no
+    Llama-3 rule: a Hugging Face or DFlash config.json can hold no other per-frequency factors."""
+    if not isinstance(scaling, RopeFactors):
+        return scaling
+    if scaling.llama3 is None:
+        raise ValueError(f"{whose} rope factors (a GGUF's rope_freqs.weight) follow no Llama-3 rope scaling, and a "
+                         f"config.json can hold no other per-frequency factors; {then}")
+    return scaling.llama3
+
+
 def check_rope(scaling, head_dim: int, what: str) -> None:
     """ValueError when per-frequency rope factors do not number head_dim / 2."""
     if isinstance(scaling, RopeFactors) and len(scaling.factors) != head_dim // 2:

@@ -93,7 +93,7 @@ from decode.common import check_output_path
 from taps_jax import compile_cache, sharding
 from taps_jax.api import Target, load_target
 from taps_jax.checkpoints.dflash import save_drafter
-from taps_jax.config import DrafterConfig, ModelConfig, RopeFactors
+from taps_jax.config import DrafterConfig, ModelConfig, llama3_rope
 from taps_jax.models.drafter import Drafter
 from train import loop
 from train.config import add_flags, build, option
@@ -143,14 +143,8 @@ def make_drafter_config(
     dtype: str = "float32",
 ) -> DrafterConfig:
     """A drafter shaped like one of the target's layers (same width, heads, rope), checked against it."""
-    rope = target.rope_scaling
-    if isinstance(rope, RopeFactors):
-        # A drafter's config.json holds Llama-3 scaling only: train with the rope it is saved with.
-        if rope.llama3 is None:
-            raise ValueError("the target's rope factors (its GGUF's rope_freqs.weight) follow no Llama-3 rope "
-                             "scaling, which a drafter's config.json cannot record, so no drafter for it could be "
-                             "saved")
-        rope = rope.llama3
+    # A drafter's config.json holds Llama-3 scaling only: train with the rope it is saved with.
+    rope = llama3_rope(target.rope_scaling, "the target's", "no drafter for it could be saved")
     config = DrafterConfig(
         hidden_size=target.hidden_size,
         intermediate_size=intermediate_size or target.intermediate_size,

@@ -8,7 +8,7 @@ from pathlib import Path
 from flax import nnx
 
 from taps_jax.checkpoints.tensors import load_weights, module_to_tensors, write_tensors
-from taps_jax.config import FAMILIES, ModelConfig, RopeFactors, RopeScaling
+from taps_jax.config import FAMILIES, ModelConfig, RopeFactors, RopeScaling, llama3_rope
 from taps_jax.models.transformer import Transformer
 
 ARCHITECTURES = {
@@ -172,14 +172,9 @@ def config_to_hf(config: ModelConfig, extra: dict | None = None) -> dict:
 
 def rope_scaling_to_hf(scaling: RopeScaling | RopeFactors) -> dict:
     """The config.json `rope_scaling` object (Llama 3's). Per-frequency factors (a GGUF's rope_freqs) are
-    written as the Llama-3 scaling that gives them; ValueError when none does, as a Hugging Face config has
-    no way to hold arbitrary factors (writing any other rope would run a different model)."""
-    if isinstance(scaling, RopeFactors):
-        if scaling.llama3 is None:
-            raise ValueError("the model's rope factors (a GGUF's rope_freqs.weight) follow no Llama-3 rope "
-                             "scaling, and a Hugging Face config.json can hold no other per-frequency factors; use "
-                             "the GGUF file itself")
-        scaling = scaling.llama3
+    written as the Llama-3 scaling that gives them; ValueError when none does (writing any other rope would run
+    a different model)."""
+    scaling = llama3_rope(scaling, "the model's", "use the GGUF file itself")
     return {
         "rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
         "high_freq_factor": scaling.high_freq_factor,
