@@ -158,6 +158,9 @@ class DrafterConfig:
     rope_scaling: RopeScaling | RopeFactors | None = None
     rms_norm_eps: float = 1e-6
     dtype: str = "float32"  # parameter and activation dtype
+    # K: the drafter's logits cover only K target ids (its `draft_vocab` buffer, saved with the weights);
+    # None: the whole vocabulary (published DFlash drafters). Trees and verification stay in the full vocabulary.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         # Tuples keep the config hashable (a list from JSON would not be).
@@ -192,6 +195,10 @@ class DrafterConfig:
             raise ValueError(f"drafter mask_token_id must be a non-negative integer, got {self.mask_token_id!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        K = self.draft_vocab_size
+        if K is not None and (isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= self.vocab_size):
+            raise ValueError(f"drafter draft_vocab_size must be an integer in [1, vocab_size={self.vocab_size}] "
+                             f"(or None for the whole vocabulary), got {K!r}")
 
     @property
     def num_drafted(self) -> int:

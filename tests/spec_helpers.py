@@ -14,8 +14,10 @@ from taps_jax.models.transformer import Transformer
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_pair(vocab: int = 16, block_size: int = 8, seed: int = 0, eos: tuple[int, ...] = ()):
-    """A random 2-layer target and a 1-layer drafter tapping layers (0, 1).
+def tiny_pair(vocab: int = 16, block_size: int = 8, seed: int = 0, eos: tuple[int, ...] = (),
+              draft_vocab: tuple[int, ...] | None = None):
+    """A random 2-layer target and a 1-layer drafter tapping layers (0, 1) (drafting over `draft_vocab` ids only,
+    when given).
 
     A small vocabulary makes random drafts agree with the target often, so
     rounds accept several tokens and the commit path is exercised.
@@ -25,8 +27,12 @@ def tiny_pair(vocab: int = 16, block_size: int = 8, seed: int = 0, eos: tuple[in
     target = Target(Transformer(cfg, nnx.Rngs(seed)), None, eos)
     dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                          head_dim=8, block_size=block_size, mask_token_id=vocab - 1,
-                         target_layer_ids=(0, 1), num_target_layers=2, vocab_size=vocab, rope_theta=10000.0)
-    drafter = DrafterModel(Drafter(dcfg, nnx.Rngs(seed + 1)))
+                         target_layer_ids=(0, 1), num_target_layers=2, vocab_size=vocab, rope_theta=10000.0,
+                         draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
+    module = Drafter(dcfg, nnx.Rngs(seed + 1))
+    if draft_vocab is not None:
+        module.set_draft_vocab(draft_vocab)
+    drafter = DrafterModel(module)
     return target, drafter
 
 

@@ -34,9 +34,9 @@ def tiny_target() -> Target:
     return Target(model, None, ())
 
 
-def tiny_drafter(target: Target, seed: int = 1) -> Drafter:
+def tiny_drafter(target: Target, seed: int = 1, draft_vocab_size: int | None = None) -> Drafter:
     cfg = D.make_drafter_config(target.config, num_layers=1, block_size=KB, target_layer_ids=(0, 1),
-                                mask_token_id=MASK)
+                                mask_token_id=MASK, draft_vocab_size=draft_vocab_size)
     return Drafter(cfg, nnx.Rngs(seed))
 
 
@@ -58,15 +58,19 @@ def setup(tmp_path_factory):
     return target, seqs
 
 
+DRAFT_VOCAB = 16  # the trained drafter's logits cover the 16 ids its answers use most (of 64)
+
+
 @pytest.fixture(scope="module")
 def trained(setup, tmp_path_factory):
     target, seqs = setup
     out = tmp_path_factory.mktemp("distill")
-    drafter = tiny_drafter(target)
-    graphdef = nnx.split(drafter)[0]
+    drafter = tiny_drafter(target, draft_vocab_size=DRAFT_VOCAB)
+    drafter.set_draft_vocab(D.draft_vocab(out, seqs, seqs, drafter.config, "continuation"))
+    graphdef, _, buffers = nnx.split(drafter, nnx.Param, ...)
     result = D.distill(target, drafter, seqs, seqs, out, config(STEPS), D.distill_optim(STEPS, lr=1e-2))
-    D.export(out / "export", graphdef, result.best_params)
-    return out, graphdef, result
+    D.export(out / "export", graphdef, result.best_params, buffers)
+    return out, (graphdef, buffers), result
 
 
 # --------------------------------------------------------------------------- the mask
@@ -158,11 +162,40 @@ def test_generation_mixes_modes_and_is_cached(tmp_path, monkeypatch):
     for i in range(2):
         assert seqs.tokens[i, len(ps[i]): seqs.lengths[i]].tolist() == want_greedy[i]
     # A rerun loads the .npy cache without generating.
-    monkeypatch.setattr(Target, "generate", lambda *a, **k: pytest.fail("regenerated despite the cache"))
+    monkeypatch.setattr("taps_jax.calls.refilled", lambda *a, **k: pytest.fail("regenerated despite the cache"))
     again = D.generate_sequences(target, ps, 8, batch_size=2, greedy_fraction=0.5, temperature=1.0,
                                  cache_dir=tmp_path)
     np.testing.assert_array_equal(again.tokens, seqs.tokens)
     assert len(list(tmp_path.glob("train-*/tokens.npy"))) == 1
+
+
+def test_an_interrupted_generation_continues_with_the_unanswered_prompts(tmp_path, monkeypatch):
+    """Answers are saved as rows finish (continuous batching); a rerun decodes only the prompts left, and every
+    greedy answer is the batch-1 AR one, whichever row it ran in."""
+    import taps_jax.calls as calls
+
+    target = tiny_target()
+    ps = prompts(10, seed=2)
+    real, asked = calls.refilled, []
+
+    class Interrupted:  # the first rows to finish are handed out, then the run is killed
+        def __init__(self, *args, **kwargs):
+            asked.append(len(args[1]))
+            self.run = real(*args, **kwargs)
+            self.utilisation = 0.0
+
+        def __iter__(self):
+            yield next(iter(self.run))
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(calls, "refilled", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        D.generate_sequences(target, ps, 12, batch_size=4, greedy_fraction=1.0, cache_dir=tmp_path, save_every_s=0)
+    monkeypatch.setattr(calls, "refilled", lambda *a, **k: (asked.append(len(a[1])), real(*a, **k))[1])
+    seqs = D.generate_sequences(target, ps, 12, batch_size=4, greedy_fraction=1.0, cache_dir=tmp_path)
+    assert asked[0] == 10 and 0 < asked[1] < 10, asked  # the second run decoded only what was left
+    want = [target.generate([p], 12).tokens[0] for p in ps]
+    assert [seqs.tokens[i, len(p): seqs.lengths[i]].tolist() for i, p in enumerate(ps)] == want
 
 
 # --------------------------------------------------------------------------- training
@@ -227,6 +260,65 @@ def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     assert path.stat().st_mtime_ns == stamp and not list(path.parent.glob("*.tmp*"))
 
 
+def test_soft_targets_are_the_targets_top_k_in_the_loss_cached_or_not(setup, tmp_path):
+    """--soft-top-k k: each slot's loss mixes in the target's own top-k next-token probabilities (from the tap
+    forward, or cached beside the taps: the same losses); checked against numpy at the first step."""
+    target, seqs = setup
+    k, w, steps = 5, 0.25, 3
+
+    def fresh():  # a train step donates its params: one drafter per run
+        drafter = tiny_drafter(target, draft_vocab_size=DRAFT_VOCAB)
+        drafter.set_draft_vocab(D.fit_draft_vocab(seqs, DRAFT_VOCAB, VOCAB))
+        return drafter
+
+    drafter = fresh()
+    cfg = config(steps, soft_top_k=k, soft_weight=w)
+    run = D.setup(target, drafter, seqs, cfg, D.distill_optim(steps, lr=1e-2))
+    batch = {**run.batches.batch_at(0), "target": target.params}
+    logits, labels, weights, _, soft = run.forward(run.state.params, batch)
+    loss, _ = run.loss_fn(run.state.params, batch)
+    # numpy: the target's distribution after position anchor + slot - 1, its top k kept in the draft vocabulary
+    probs = np.asarray(jax.nn.softmax(target.model.logits(jnp.asarray(batch["tokens"])), axis=-1))
+    vocab = np.asarray(drafter.draft_vocab[...])
+    logq = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    want_num = want_den = 0.0
+    for b, a, h in np.ndindex(*labels.shape):
+        if weights[b, a, h] == 0:
+            continue
+        p = probs[b, batch["anchors"][b, a] + h]
+        top = np.argsort(-p, kind="stable")[:k]
+        keep = [t for t in top if t in vocab]
+        q = p[keep] / p[keep].sum()
+        soft_ce = -sum(qi * logq[b, a, h, np.searchsorted(vocab, t)] for qi, t in zip(q, keep))
+        hard_ce = -logq[b, a, h, labels[b, a, h]]
+        want_num += weights[b, a, h] * ((1 - w) * hard_ce + w * soft_ce)
+        want_den += weights[b, a, h]
+    assert float(loss) == pytest.approx(want_num / want_den, rel=1e-4)
+    ref = D.distill(target, fresh(), seqs, None, tmp_path / "ref", cfg, D.distill_optim(steps, lr=1e-2))
+    got = D.distill(target, fresh(), seqs, None, tmp_path / "cached",
+                    config(steps, soft_top_k=k, soft_weight=w, tap_cache=True), D.distill_optim(steps, lr=1e-2))
+    assert sorted(f.name.split("-")[0] for f in (tmp_path / "cached" / "data").glob("*.npy")) == \
+        ["soft5", "soft5", "taps"]
+    loss_of = lambda r: np.array([float(x["loss"]) for x in r.history])
+    np.testing.assert_allclose(loss_of(got), loss_of(ref), rtol=1e-5)
+
+
+def test_init_from_target_copies_its_last_layers():
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=10000.0)  # qwen3: q/k norms too
+    target = Transformer(cfg, nnx.Rngs(0))
+    target.layers[2].self_attn.k_norm.weight.set_value(jnp.full((8,), 3.0))
+    drafter = Drafter(D.make_drafter_config(cfg, num_layers=2, block_size=KB, mask_token_id=MASK), nnx.Rngs(1))
+    D.init_from_target(drafter, target)
+    mine, theirs = nnx.to_flat_state(nnx.state(drafter.layers)), dict(nnx.to_flat_state(nnx.state(target.layers)))
+    for path, var in mine:
+        np.testing.assert_array_equal(var.get_value(), theirs[(path[0] + 1, *path[1:])].get_value(), str(path))
+    np.testing.assert_array_equal(drafter.norm.weight[...], target.norm.weight[...])
+    with pytest.raises(ValueError, match="MLP width"):
+        D.init_from_target(Drafter(D.make_drafter_config(cfg, num_layers=1, block_size=KB, mask_token_id=MASK,
+                                                         intermediate_size=32), nnx.Rngs(1)), target)
+
+
 # --------------------------------------------------------------------------- export and decoding
 
 
@@ -237,8 +329,11 @@ def test_export_reloads_identically_and_decodes_losslessly(setup, trained):
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == KB
     assert raw["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [0, 1]}
 
+    assert raw["draft_vocab_size"] == DRAFT_VOCAB
     loaded = load_drafter(out / "export")
-    trained_module = nnx.merge(graphdef, result.best_params)
+    trained_module = nnx.merge(graphdef[0], result.best_params, graphdef[1])
+    np.testing.assert_array_equal(np.asarray(loaded.module.draft_vocab[...]),
+                                  json.loads((out / D.DRAFT_VOCAB).read_text())["ids"])
     fwd = nnx.jit(lambda d, t, *a: D.block_forward(d, t, *a))
     tokens = jnp.asarray(seqs.tokens[:2])
     anchors = jnp.asarray([[8, 20], [9, 30]], jnp.int32)
@@ -252,6 +347,28 @@ def test_export_reloads_identically_and_decodes_losslessly(setup, trained):
     got = SpeculativeDecoder(target, loaded, "chain", KB - 1).generate(ps, 24)
     assert got.tokens == want
     assert got.stats["tau"] > 1.3, got.stats  # the trained drafter is accepted, not just lossless
+
+
+def test_the_draft_vocabulary_is_the_most_used_ids_and_kept_on_resume(setup, tmp_path, capsys):
+    target, seqs = setup
+    K = 12
+    labels = D.label_tokens(seqs)
+    counts = np.bincount(labels, minlength=VOCAB)
+    dcfg = tiny_drafter(target, draft_vocab_size=K).config
+    ids = D.draft_vocab(tmp_path, seqs, seqs, dcfg, "continuation")
+    assert len(ids) == K and list(ids) == sorted(ids)
+    assert counts[ids].min() >= np.delete(counts, ids).max()
+    coverage, distinct = D.vocab_coverage(seqs, ids)
+    assert coverage == pytest.approx(np.isin(labels, ids).mean()) and distinct == len(np.unique(labels))
+    assert f"coverage: train {coverage:.2%}" in capsys.readouterr().out
+    saved = json.loads((tmp_path / D.DRAFT_VOCAB).read_text())
+    assert saved["ids"] == ids.tolist() and saved["size"] == K
+    # A resumed run reads its ids back instead of refitting; another K is refused.
+    saved["ids"] = list(range(K))
+    (tmp_path / D.DRAFT_VOCAB).write_text(json.dumps(saved))
+    assert D.draft_vocab(tmp_path, seqs, seqs, dcfg, "continuation").tolist() == list(range(K))
+    with pytest.raises(ValueError, match="--draft-vocab"):
+        D.read_draft_vocab(tmp_path, K + 1)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -94,13 +94,38 @@ def _first_tokens(gen, n_samples, n_tokens, vocab):
     return counts
 
 
-def test_sampling_follows_the_target_distribution():
-    """Chi-square: the first two tokens under ddtree at T=1 match the target's exact law."""
-    target, drafter = tiny_pair(vocab=6, block_size=4, seed=3)
+@pytest.mark.parametrize("draft_vocab", [None, (0, 2, 5)])
+def test_sampling_follows_the_target_distribution(draft_vocab):
+    """Chi-square: the first two tokens under ddtree at T=1 match the target's exact law, also when the drafter
+    can propose only 3 of the 6 ids (a draft vocabulary)."""
+    target, drafter = tiny_pair(vocab=6, block_size=4, seed=3, draft_vocab=draft_vocab)
     prompt = [1, 2, 3]
     dec = SpeculativeDecoder(target, drafter, "ddtree", 8)
     counts = _first_tokens(lambda s: dec.generate([prompt] * 8, 2, temperature=1.0, seed=s), 4000, 2, 6)
     assert_follows(counts, two_token_law(target, prompt, 6))
+
+
+def test_a_draft_vocabulary_is_lossless_and_drafts_only_its_ids():
+    """A drafter whose logits cover 5 of the 8 ids: greedy output is AR's for every policy, the other ids get
+    probability 0 in its proposals, and the ids it covers get the full head's logits."""
+    ids = (0, 1, 3, 4, 6)
+    target, drafter = tiny_pair(VOCAB, draft_vocab=ids)
+    want = target.generate(PROMPTS, 24).tokens
+    for policy in ("chain", "ddtree"):
+        result = SpeculativeDecoder(target, drafter, policy, 8).generate(PROMPTS, 24)
+        assert result.tokens == want, policy
+        assert max(max(r) for r in result.stats["accepted_lengths"]) >= 2, policy
+    d = drafter.module
+    block = jnp.asarray([[3, VOCAB - 1, VOCAB - 1, VOCAB - 1]], jnp.int32)
+    pos = jnp.arange(4, dtype=jnp.int32)[None]
+    taps = target.model.hidden(jnp.asarray([[1, 2, 5]]), jnp.arange(3)[None], jnp.tril(jnp.ones((1, 3, 3), bool)),
+                               taps=(0, 1))[1]
+    hidden = d.forward_uncached(target.model.embed(block), pos + 3, taps, jnp.arange(3)[None],
+                                jnp.ones((1, 3), bool))[:, 1:]
+    full = np.asarray(d.full_vocab(d.head(target.model, hidden)))
+    np.testing.assert_allclose(full[..., list(ids)], np.asarray(target.model.unembed(hidden))[..., list(ids)],
+                               atol=1e-5)
+    assert (np.asarray(jax.nn.softmax(full))[..., [2, 5, 7]] == 0).all()
 
 
 def test_one_compile_and_no_host_transfer():

@@ -102,11 +102,12 @@ from train.data import (PROMPT_DIGESTS, Example, add_data_flags, encode_examples
                         resolve_mask_token, write_prompt_digests)
 # Re-exported: train.distill is the stage's public face (data and objective live in their own modules).
 from train.distill_data import (  # noqa: F401
-    AnchorBatches, Sequences, anchor_range, generate_sequences, params_fingerprint, sample_anchors,
-    sequences_from_pairs, tap_features)
+    AnchorBatches, Sequences, anchor_range, fit_draft_vocab, generate_sequences, label_tokens, params_fingerprint,
+    sample_anchors, sequences_from_pairs, tap_features, target_feature_cache, vocab_coverage)
 from train.distill_objective import (  # noqa: F401
     anchor_block_mask, block_forward, block_tokens, default_gamma, labels_and_weights, make_evaluator,
-    make_forward, make_loss_fn, plot_agreement, position_weights, summarize, target_taps)
+    make_forward, make_loss_fn, plot_agreement, position_weights, soft_targets_at, summarize, target_features,
+    target_taps)
 from train.tokenizer import MASK_ID
 
 ANCHOR_REGIONS = ("continuation", "all")
@@ -141,6 +142,7 @@ def make_drafter_config(
     mask_token_id: int = MASK_ID,
     intermediate_size: int | None = None,
     dtype: str = "float32",
+    draft_vocab_size: int | None = None,
 ) -> DrafterConfig:
     """A drafter shaped like one of the target's layers (same width, heads, rope), checked against it."""
     # A drafter's config.json holds Llama-3 scaling only: train with the rope it is saved with.
@@ -161,6 +163,7 @@ def make_drafter_config(
         rope_scaling=rope,
         rms_norm_eps=target.rms_norm_eps,
         dtype=dtype,
+        draft_vocab_size=draft_vocab_size,
     )
     config.check_target(target)
     return config
@@ -184,6 +187,10 @@ class DistillConfig:
     tap_cache: bool = option(False, "compute the frozen target's tap features of every sequence once and keep "
                                     "them on disk (<out>/data/taps-*.npy, N x S x taps x D float32) instead of "
                                     "in every step")
+    soft_top_k: int = option(0, "soft targets: the target's top-k next-token probabilities at every "
+                                "supervised position join the loss (0: hard labels only); computed in the tap "
+                                "forward (cached beside the taps with --tap-cache)")
+    soft_weight: float = option(0.5, "with --soft-top-k: the soft targets' share of each position's loss")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "anchors_per_seq"):
@@ -192,6 +199,11 @@ class DistillConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.anchor_region not in ANCHOR_REGIONS:
             raise ValueError(f"anchor_region must be one of {ANCHOR_REGIONS}, got {self.anchor_region!r}")
+        k = self.soft_top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"soft_top_k must be a non-negative integer (0: off), got {k!r}")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ValueError(f"soft_weight must lie in [0, 1], got {self.soft_weight!r}")
 
 
 def distill_optim(steps: int, lr: float = 6e-4, warmup_ratio: float = 0.04, **kwargs) -> loop.OptimConfig:
@@ -213,6 +225,12 @@ class DrafterSpec:
         None, "the drafter's mask token: an id of the target's vocabulary that never occurs in the data "
               "(default: the tokenizer's mask special token, e.g. <|mask|>; refused if it has none)")
     intermediate_size: int | None = option(None, "drafter MLP width (default: the target's)")
+    draft_vocab: int | None = option(
+        None, "K: the drafter's logits cover only the K target ids its training answers use most (fitted on "
+              "them, saved with the drafter); the head then costs K/V of the full one (default: the whole "
+              "vocabulary)")
+    init_from_target: bool = option(False, "start the drafter's layers and final norm as copies of the target's "
+                                           "last layers and final norm (default: random)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +292,7 @@ def distillation_prompt_texts(preset: str) -> set[str]:
 @dataclasses.dataclass
 class DistillSetup:
     drafter_graphdef: object
+    buffers: nnx.State  # what is saved but not trained (the draft vocabulary): merge(graphdef, params, buffers)
     optimizer: optax.GradientTransformation
     train_step: object
     state: loop.TrainState
@@ -283,10 +302,11 @@ class DistillSetup:
 
 
 def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: DistillConfig,
-          optim: loop.OptimConfig, mesh=None, taps=None) -> DistillSetup:
+          optim: loop.OptimConfig, mesh=None, taps=None, soft=None) -> DistillSetup:
     """Everything `distill` needs, exposed for benchmarks and tests.
 
-    taps: the train sequences' precomputed tap features (`tap_features`), or None (computed in each step).
+    taps: the train sequences' precomputed tap features (`tap_features`), or None (computed in each step);
+    soft: their precomputed soft targets with taps (`target_feature_cache`).
     mesh: the drafter's params and optimizer state are sharded by the rules
     and each batch is split over "data" (batch_size must divide it).
     """
@@ -296,13 +316,14 @@ def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: Disti
     if config.batch_size % sharding.data_size(mesh):
         raise ValueError(f"batch size {config.batch_size} is not divisible by the mesh's data axis "
                          f"({sharding.data_size(mesh)})")
-    graphdef, params = nnx.split(drafter)
-    forward = make_forward(graphdef, target.graphdef, position_weights(dc.block_size, config.gamma))
-    loss_fn = make_loss_fn(forward)
+    graphdef, params, buffers = nnx.split(drafter, nnx.Param, ...)
+    forward = make_forward(graphdef, target.graphdef, position_weights(dc.block_size, config.gamma), buffers,
+                           config.soft_top_k)
+    loss_fn = make_loss_fn(forward, config.soft_weight)
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
-                            config.anchor_region, config.seed, taps=taps)
-    return DistillSetup(graphdef, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
+                            config.anchor_region, config.seed, taps=taps, soft=soft)
+    return DistillSetup(graphdef, buffers, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
                       loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
 
@@ -331,13 +352,14 @@ def distill(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     optim = optim or distill_optim(config.steps)
-    taps = val_taps = None
+    taps = val_taps = soft = None
     if config.tap_cache:
         ids = drafter.config.target_layer_ids
-        taps = tap_features(target, train_seqs, ids, out_dir / "data", "train")
+        feats = target_feature_cache(target, train_seqs, ids, out_dir / "data", "train", config.soft_top_k)
+        taps, soft = feats.pop("taps"), feats
         if val_seqs is not None and len(val_seqs):
             val_taps = tap_features(target, val_seqs, ids, out_dir / "data", "validation")
-    run = setup(target, drafter, train_seqs, config, optim, mesh, taps=taps)
+    run = setup(target, drafter, train_seqs, config, optim, mesh, taps=taps, soft=soft)
     H = drafter.config.block_size - 1
     if mesh is not None:
         sharding.check_config(target.config, mesh, "target")
@@ -364,9 +386,10 @@ def distill(
                     meta=meta or {}, optim=optim, desc="distill", mesh=mesh)
 
 
-def export(out: Path, drafter_graphdef, params) -> Path:
-    """The drafter in the DFlash layout (config.json + model.safetensors)."""
-    save_drafter(nnx.merge(drafter_graphdef, params), out)
+def export(out: Path, drafter_graphdef, params, buffers: nnx.State | None = None) -> Path:
+    """The drafter in the DFlash layout (config.json + model.safetensors); buffers: its untrained state (the
+    draft vocabulary), when it has any."""
+    save_drafter(nnx.merge(drafter_graphdef, params, *([] if buffers is None else [buffers])), out)
     return out
 
 
@@ -456,8 +479,72 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
     return take("train", data.num_sequences, seed), take(data.val_split, data.val_sequences, seed + 1)
 
 
-def _export(out: Path, graphdef, params) -> Path:
-    path = export(out / "export", graphdef, params)
+def init_from_target(drafter: Drafter, target) -> None:
+    """The drafter's L layers start as the target's last L layers (attention, MLP, both norms; q/k norms where
+    the target has them) and its final norm as the target's: its output then starts in the space the target's
+    head reads. fc and hidden_norm stay random. target: the target `Transformer`."""
+    L, T = drafter.config.num_layers, target.config.num_layers
+    if L > T:
+        raise ValueError(f"init_from_target: the drafter has {L} layers, the target only {T}")
+    if drafter.config.intermediate_size != target.config.intermediate_size:
+        raise ValueError(f"init_from_target needs the target's MLP width ({target.config.intermediate_size}); "
+                         f"the drafter's is {drafter.config.intermediate_size}")
+    names = ["input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+             *(f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    if target.config.qk_norm:
+        names += ["self_attn.q_norm", "self_attn.k_norm"]
+
+    def module(root, dotted):
+        for part in dotted.split("."):
+            root = getattr(root, part)
+        return root
+
+    for mine, theirs in zip(drafter.layers, list(target.layers)[T - L:]):
+        for name in names:
+            src, dst = module(theirs, name), module(mine, name)
+            for leaf in ("kernel", "weight"):
+                if hasattr(dst, leaf):
+                    getattr(dst, leaf).set_value(getattr(src, leaf).get_value().astype(getattr(dst, leaf).dtype))
+    drafter.norm.weight.set_value(target.norm.weight.get_value().astype(drafter.norm.weight.dtype))
+
+
+DRAFT_VOCAB = "draft_vocab.json"  # in the training dir: the fitted ids, reused on resume and export
+
+
+def draft_vocab(out: Path, train_seqs: Sequences, val_seqs: Sequences | None, dcfg: DrafterConfig,
+                region: str) -> np.ndarray:
+    """The run's draft vocabulary: read back from OUT (a resumed run keeps its ids), else fitted on the training
+    labels, printed with its coverage and saved there."""
+    K = dcfg.draft_vocab_size
+    if (out / DRAFT_VOCAB).is_file():
+        return read_draft_vocab(out, K)
+    ids = fit_draft_vocab(train_seqs, K, dcfg.vocab_size, region)
+    train_cov, distinct = vocab_coverage(train_seqs, ids, region)
+    val_cov = vocab_coverage(val_seqs, ids, region)[0] if val_seqs is not None and len(val_seqs) else None
+    n = len(label_tokens(train_seqs, region))
+    shown = f", validation {val_cov:.2%}" if val_cov is not None else ""
+    print(f"draft vocabulary: the {K:,} ids the {n:,} training label tokens use most ({distinct:,} distinct); "
+          f"coverage: train {train_cov:.2%}{shown}", flush=True)
+    tmp = out / (DRAFT_VOCAB + ".tmp")
+    tmp.write_text(json.dumps({"size": K, "coverage": {"train": train_cov, "validation": val_cov},
+                               "distinct_label_ids": distinct, "ids": ids.tolist()}))
+    tmp.replace(out / DRAFT_VOCAB)
+    return ids
+
+
+def read_draft_vocab(out: Path, size: int) -> np.ndarray:
+    path = out / DRAFT_VOCAB
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: the draft vocabulary is fitted when training starts; train first")
+    raw = json.loads(path.read_text())
+    if raw.get("size") != size:
+        raise ValueError(f"{path} holds a draft vocabulary of {raw.get('size')} ids, the settings ask for {size}; "
+                         f"pass the --draft-vocab this run was trained with, or use a new --out")
+    return np.asarray(raw["ids"], np.int32)
+
+
+def _export(out: Path, graphdef, params, buffers: nnx.State) -> Path:
+    path = export(out / "export", graphdef, params, buffers)
     digests = out / PROMPT_DIGESTS
     if digests.is_file():  # train.traces refuses these prompts
         shutil.copy(digests, path / PROMPT_DIGESTS)
@@ -488,12 +575,16 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     dcfg = make_drafter_config(
         target.config, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=d.target_layer_ids,
         num_taps=d.num_taps, mask_token_id=mask, intermediate_size=d.intermediate_size,
+        draft_vocab_size=d.draft_vocab,
     )
     drafter = Drafter(dcfg, nnx.Rngs(config.seed))
-    n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.split(drafter)[1])))
+    if d.init_from_target:
+        init_from_target(drafter, target.model)
+    n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param))))
     H = dcfg.block_size - 1
     print(f"drafter: {dcfg.num_layers} layers x {dcfg.hidden_size}, taps {list(dcfg.target_layer_ids)} of "
-          f"{dcfg.num_target_layers}, block {dcfg.block_size}, mask id {dcfg.mask_token_id}, {n_params:,} params; "
+          f"{dcfg.num_target_layers}, block {dcfg.block_size}, mask id {dcfg.mask_token_id}, {n_params:,} params, "
+          f"draft vocabulary {dcfg.draft_vocab_size or 'the whole'} of {V:,}; "
           f"gamma {config.gamma or default_gamma(dcfg.block_size):.3f}; batch {config.batch_size} seqs x "
           f"{config.anchors_per_seq} anchors x {H} = {config.batch_size * config.anchors_per_seq * H:,} "
           f"draft tokens/step; {optim}", flush=True)
@@ -503,7 +594,9 @@ def run(config: DistillRun, mesh=None) -> Path | None:
         return None
 
     if args.export_only:
-        graphdef, params = nnx.split(drafter)
+        if dcfg.draft_vocab_size is not None:
+            drafter.set_draft_vocab(read_draft_vocab(args.out, dcfg.draft_vocab_size))
+        graphdef, params, buffers = nnx.split(drafter, nnx.Param, ...)
         ckpt = loop.Checkpointer(args.out)
         best = ckpt.restore_best(params)
         if best is not None:
@@ -515,7 +608,7 @@ def run(config: DistillRun, mesh=None) -> Path | None:
         else:
             raise ValueError(f"no checkpoint under {args.out}; train first")
         ckpt.close()
-        out = _export(args.out, graphdef, final)
+        out = _export(args.out, graphdef, final, buffers)
         print(f"exported the {info} params to {out}", flush=True)
         return out
 
@@ -555,11 +648,13 @@ def run(config: DistillRun, mesh=None) -> Path | None:
         "optim": dataclasses.asdict(optim), "params": n_params,
     }, indent=2, default=str))
 
-    graphdef = nnx.split(drafter)[0]
+    if dcfg.draft_vocab_size is not None:
+        drafter.set_draft_vocab(draft_vocab(args.out, train_seqs, val_seqs, dcfg, config.anchor_region))
+    graphdef, _, buffers = nnx.split(drafter, nnx.Param, ...)
     result = distill(target, drafter, train_seqs, val_seqs, args.out, config, optim, resume=args.resume, mesh=mesh,
                      meta={"preset": args.preset})
     final = result.best_params if result.best_params is not None else result.state.params
-    out = _export(args.out, graphdef, final)
+    out = _export(args.out, graphdef, final, buffers)
     which = f"best validation (step {result.best_step})" if result.best_params is not None else "final"
     print(f"exported the {which} drafter to {out}", flush=True)
     return out

@@ -77,16 +77,25 @@ def generate_sequences(
     cache_dir: Path | None = None,
     name: str = "train",
     seq_multiple: int = 16,
+    refill_rows: int | None = None,
+    save_every_s: float = 60.0,
 ) -> Sequences:
-    """Continue every prompt with the target (batched AR), cached on disk.
+    """Continue every prompt with the target (AR, `batch_size` rows, continuous batching), cached on disk.
 
     The first round(greedy_fraction * N) prompts are continued greedily, the
     rest sampled at `temperature` (prompts come in random order, so both
-    halves are random subsets). Batch i of a mode uses seed + i. Every batch
-    is padded to `batch_size` and to one cache capacity, so generation
-    compiles once per prompt-length bucket and mode. Rows are padded to a
-    multiple of `seq_multiple` tokens.
+    halves are random subsets); each half is one refilled run (`calls.refilled`:
+    a row that stops takes the next prompt, `refill_rows` at a time, default
+    batch_size / 8), so no slot waits for the longest answer of its batch (on a
+    data-parallel mesh: static batches, as decoding jobs do). One cache
+    capacity for all: it compiles once per mode and refill bucket. Rows
+    are padded to a multiple of `seq_multiple` tokens. Finished answers are
+    saved every `save_every_s` seconds under cache_dir: an interrupted run
+    continues with the prompts not answered yet (its samples then differ from
+    an uninterrupted run's, as any other draw would).
     """
+    from taps_jax import sharding  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
+
     if not prompts:
         raise ValueError("no prompts to continue")
     if not 0.0 <= greedy_fraction <= 1.0:
@@ -98,11 +107,13 @@ def generate_sequences(
     longest = max(map(len, prompts))
     width = -(-(longest + gen_tokens) // seq_multiple) * seq_multiple
     capacity = bucket(longest + gen_tokens)
+    static = sharding.data_size(target.mesh) > 1  # refilled rows need one batch placement for a few rows
+    rows_per_refill = 0 if static else refill_rows or max(1, batch_size // 8)
     key = hashlib.sha1(json.dumps({
         "target": params_fingerprint(target.params), "eos": list(target.eos_ids),
         "prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "gen_tokens": gen_tokens,
         "batch_size": batch_size, "n_greedy": n_greedy, "temperature": temperature, "seed": seed,
-        "width": width,
+        "width": width, "refill_rows": rows_per_refill,
     }, sort_keys=True).encode()).hexdigest()[:12]
     final = cache_dir / f"{name}-{key}" if cache_dir is not None else None
     if final is not None and (final / "lengths.npy").is_file():
@@ -110,48 +121,106 @@ def generate_sequences(
         tqdm.write(f"{name}: {len(seqs)} cached target continuations from {final}")
         return seqs
     parts = final / "parts" if final is not None else None
+    rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
+    done = np.zeros(n, bool)
     if parts is not None:
         parts.mkdir(parents=True, exist_ok=True)
+        for part in sorted(parts.glob("part-*.npy")):  # answers of an interrupted run: [index, row...]
+            got = np.load(part)
+            rows[got[:, 0]], done[got[:, 0]] = got[:, 1:], True
+    bar = tqdm(total=n, initial=int(done.sum()), desc=f"generate {name}", unit="seq", dynamic_ncols=True,
+               smoothing=0.1, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    t0, made, unsaved, saved_at = time.perf_counter(), 0, [], time.perf_counter()
 
-    # Batches never mix modes: [0, n_greedy) greedy, [n_greedy, n) sampled.
-    batches = [(lo, min(lo + batch_size, n_greedy), True) for lo in range(0, n_greedy, batch_size)]
-    batches += [(lo, min(lo + batch_size, n), False) for lo in range(n_greedy, n, batch_size)]
-    rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
-    bar = tqdm(total=n, desc=f"generate {name}", unit="seq", dynamic_ncols=True, smoothing=0.1,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    t0, made = time.perf_counter(), 0
-    for i, (lo, hi, greedy) in enumerate(batches):
-        part = parts / f"{lo:07d}.npy" if parts is not None else None
-        if part is not None and part.is_file():
-            rows[lo:hi] = np.load(part)
-        else:
-            chunk = prompts[lo:hi]
-            chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one batch shape: one compile
-            result = target.generate(
-                chunk, gen_tokens, temperature=0.0 if greedy else temperature, seed=seed + i,
-                capacity=capacity,
-            )
-            for r, (p, c) in enumerate(zip(chunk[: hi - lo], result.tokens)):
-                seq = list(p) + list(c)
-                rows[lo + r, 0], rows[lo + r, 1] = len(p), len(seq)
-                rows[lo + r, 2 : 2 + len(seq)] = seq
-                made += len(c)
-            if part is not None:
-                np.save(part.with_suffix(".tmp.npy"), rows[lo:hi])
-                os.replace(part.with_suffix(".tmp.npy"), part)
-        bar.update(hi - lo)
-        bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
+    def save():
+        if parts is not None and unsaved:
+            part = parts / f"part-{int(done.sum()):07d}-{len(unsaved):05d}.npy"
+            np.save(part.with_suffix(".tmp.npy"), np.concatenate([np.asarray(unsaved)[:, None], rows[unsaved]], 1))
+            os.replace(part.with_suffix(".tmp.npy"), part)
+            unsaved.clear()
+
+    # The two modes never share a run: [0, n_greedy) greedy, [n_greedy, n) sampled.
+    for lo, hi, greedy in ((0, n_greedy, True), (n_greedy, n, False)):
+        todo = [i for i in range(lo, hi) if not done[i]]
+        if not todo:
+            continue
+        answers = _static_answers if static else _refilled_answers
+        options = dict(temperature=0.0 if greedy else temperature, seed=seed + (0 if greedy else 1),
+                       capacity=capacity)
+        for finished, utilisation in answers(target, prompts, todo, gen_tokens, batch_size, rows_per_refill,
+                                             options):
+            for i, tokens in finished:
+                seq = list(prompts[i]) + list(tokens)
+                rows[i, 0], rows[i, 1] = len(prompts[i]), len(seq)
+                rows[i, 2:2 + len(seq)] = seq
+                done[i] = True
+                unsaved.append(i)
+                made += len(tokens)
+            bar.update(len(finished))
+            shown = {"slots": f"{utilisation:.0%}"} if utilisation is not None else {}
+            bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", **shown, refresh=False)
+            if time.perf_counter() - saved_at >= save_every_s:
+                save()
+                saved_at = time.perf_counter()
+    save()
     bar.close()
     seqs = Sequences(rows[:, 2:].copy(), rows[:, 0].copy(), rows[:, 1].copy())
     if final is not None:
         seqs.save(final)
         (final / "meta.json").write_text(json.dumps({
             "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
-            "gen_tokens": gen_tokens,
+            "gen_tokens": gen_tokens, "batch_size": batch_size, "refill_rows": rows_per_refill,
             "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
+            "tokens_per_s": made / max(time.perf_counter() - t0, 1e-9),
         }, indent=2))
         shutil.rmtree(parts, ignore_errors=True)
     return seqs
+
+
+def _refilled_answers(target, prompts, todo, gen_tokens, batch_size, refill_rows, options):
+    """[(prompt index, answer tokens)] as rows finish, with the run's slot utilisation so far."""
+    from taps_jax.calls import refilled  # noqa: PLC0415
+
+    run = refilled(target, [prompts[i] for i in todo], gen_tokens, rows=min(batch_size, len(todo)),
+                   refill_rows=min(refill_rows, len(todo), batch_size), **options)
+    for finished in run:
+        yield [(todo[f.index], f.tokens) for f in finished], run.utilisation
+
+
+def _static_answers(target, prompts, todo, gen_tokens, batch_size, refill_rows, options):
+    """[(prompt index, answer tokens)] batch by batch (batch b samples with seed + b)."""
+    for b, lo in enumerate(range(0, len(todo), batch_size)):
+        idx = todo[lo:lo + batch_size]
+        chunk = [prompts[i] for i in idx]
+        chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one batch shape: one compile
+        result = target.generate(chunk, gen_tokens, **{**options, "seed": options["seed"] + b})
+        yield list(zip(idx, result.tokens)), None
+
+
+# --------------------------------------------------------------------------- the draft vocabulary
+
+
+def label_tokens(seqs: Sequences, region: str = "continuation") -> np.ndarray:
+    """The tokens that can be labels (the continuations, or whole sequences for region "all"), flat."""
+    S = seqs.seq_len
+    j = np.arange(S)[None]
+    lo = seqs.prompt_lens[:, None] if region == "continuation" else 0
+    return seqs.tokens[(j >= lo) & (j < seqs.lengths[:, None])]
+
+
+def fit_draft_vocab(seqs: Sequences, size: int, vocab_size: int, region: str = "continuation") -> np.ndarray:
+    """The `size` ids the labels use most (ties: the smaller id), ascending. [size] int32"""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {size} ids does not fit the target's {vocab_size}")
+    counts = np.bincount(label_tokens(seqs, region), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # most used first, then by id
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def vocab_coverage(seqs: Sequences, ids: np.ndarray, region: str = "continuation") -> tuple[float, int]:
+    """(share of the label tokens inside `ids`, distinct label ids)."""
+    tokens = label_tokens(seqs, region)
+    return float(np.isin(tokens, ids).mean()) if len(tokens) else 1.0, int(len(np.unique(tokens)))
 
 
 # --------------------------------------------------------------------------- tap features, computed once
@@ -159,46 +228,68 @@ def generate_sequences(
 
 def tap_features(target: Target, seqs: Sequences, layer_ids: tuple[int, ...], cache_dir: Path, name: str,
                  batch_size: int = 8) -> np.ndarray:
-    """The frozen target's tap features [N, S, n_taps * D] (float32) of every sequence, as a read-only memmap.
+    """The frozen target's tap features [N, S, n_taps * D] (float32) of every sequence, as a read-only memmap
+    (`target_feature_cache` without soft targets)."""
+    return target_feature_cache(target, seqs, layer_ids, cache_dir, name, batch_size=batch_size)["taps"]
 
-    The same `target_taps` forward the step would run, done once: for a real target it is most of a step
-    (SmolLM2: 50-70%), and every pass after the first repeats it. Kept as cache_dir/taps-<name>-<key>.npy;
-    the key hashes the weights, the tap ids and the tokens, so other data or weights never reuse it.
+
+def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, ...], cache_dir: Path, name: str,
+                         soft_k: int = 0, batch_size: int = 8) -> dict[str, np.ndarray]:
+    """What the frozen target gives every sequence, computed once, as read-only memmaps: "taps" [N, S, F]
+    float32 and, with soft_k, "soft_ids" [N, S, k] int32 / "soft_p" [N, S, k] float32 (its top-k next tokens).
+
+    The same `target_features` forward the step would run, done once: for a real target it is most of a step
+    (SmolLM2: 50-70%), and every pass after the first repeats it. Kept as cache_dir/taps-<name>-<key>.npy
+    (soft<k>-ids-... / soft<k>-p-... beside it); the key hashes the weights, the tap ids and the tokens, so other
+    data or weights never reuse it.
     """
     from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
 
-    from train.distill_objective import target_taps  # noqa: PLC0415
+    from train.distill_objective import target_features  # noqa: PLC0415
 
     h = hashlib.sha1(params_fingerprint(target.params).encode())
     h.update(repr(tuple(layer_ids)).encode())
     h.update(seqs.tokens.tobytes())
-    path = Path(cache_dir) / f"taps-{name}-{h.hexdigest()[:12]}.npy"
+    key = f"{name}-{h.hexdigest()[:12]}"
     N, S = seqs.tokens.shape
     F = len(layer_ids) * target.config.hidden_size
-    if path.is_file():
+    files = {"taps": (f"taps-{key}.npy", (N, S, F), np.float32)}
+    if soft_k:
+        files["soft_ids"] = (f"soft{soft_k}-ids-{key}.npy", (N, S, soft_k), np.int32)
+        files["soft_p"] = (f"soft{soft_k}-p-{key}.npy", (N, S, soft_k), np.float32)
+    cache_dir = Path(cache_dir)
+    out = {}
+    for what, (file, shape, dtype) in files.items():
         try:
-            feats = np.load(path, mmap_mode="r")
-            if feats.shape == (N, S, F) and feats.dtype == np.float32:
-                return feats
+            got = np.load(cache_dir / file, mmap_mode="r")
+            if got.shape == shape and got.dtype == dtype:
+                out[what] = got
         except (OSError, ValueError):
-            pass  # damaged: recompute
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(N, S, F))
+            pass  # absent or damaged: recompute
+    if len(out) == len(files):
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = {what: cache_dir / f"{file}.tmp{os.getpid()}.npy" for what, (file, _, _) in files.items()}
+    mm = {what: np.lib.format.open_memmap(tmp[what], mode="w+", dtype=dtype, shape=shape)
+          for what, (_, shape, dtype) in files.items()}
     graphdef = target.graphdef
-    taps_of = jax.jit(lambda params, tokens_BS: target_taps(nnx.merge(graphdef, params), tokens_BS, layer_ids))
-    gb = N * S * F * 4 / 2**30
-    with tqdm(total=N, desc=f"tap features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
+    features_of = jax.jit(lambda params, tokens_BS: target_features(nnx.merge(graphdef, params), tokens_BS,
+                                                                    layer_ids, soft_k))
+    gb = sum(int(np.prod(shape)) * 4 for _, shape, _ in files.values()) / 2**30
+    with tqdm(total=N, desc=f"target features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
         for lo in range(0, N, batch_size):
             rows = np.arange(lo, lo + batch_size) % N  # the last batch wraps: one compiled shape
-            got = np.asarray(jax.device_get(taps_of(target.params, seqs.tokens[rows].astype(np.int32))))
+            got = jax.device_get(features_of(target.params, seqs.tokens[rows].astype(np.int32)))
             n = min(batch_size, N - lo)
-            out[lo:lo + n] = got[:n]
+            for what, value in zip(("taps", "soft_ids", "soft_p"), got):
+                if what in mm:
+                    mm[what][lo:lo + n] = np.asarray(value)[:n]
             bar.update(n)
-    out.flush()
-    del out
-    os.replace(tmp, path)
-    return np.load(path, mmap_mode="r")
+    for what, (file, _, _) in files.items():
+        mm[what].flush()
+        del mm[what]
+        os.replace(tmp[what], cache_dir / file)
+    return {what: np.load(cache_dir / file, mmap_mode="r") for what, (file, _, _) in files.items()}
 
 
 # --------------------------------------------------------------------------- anchors and batches
@@ -234,13 +325,15 @@ class AnchorBatches:
     """
 
     def __init__(self, seqs: Sequences, batch_size: int, anchors_per_seq: int, block_size: int,
-                 region: str = "continuation", seed: int = 0, taps: np.ndarray | None = None):
+                 region: str = "continuation", seed: int = 0, taps: np.ndarray | None = None,
+                 soft: dict[str, np.ndarray] | None = None):
         if len(seqs) == 0:
             raise ValueError("no training sequences")
         if taps is not None and taps.shape[:2] != seqs.tokens.shape:
             raise ValueError(f"tap features {taps.shape} do not match the sequences {seqs.tokens.shape}")
         self.seqs, self.B, self.A, self.Kb = seqs, batch_size, anchors_per_seq, block_size
         self.taps = taps  # [N, S, F] precomputed features (`tap_features`), or None: computed in the step
+        self.soft = soft or {}  # precomputed soft targets, "soft_ids" / "soft_p" [N, S, k] (with taps only)
         self.region, self.seed = region, seed
         self._perm: dict[int, np.ndarray] = {}
         ranges = [anchor_range(int(p), int(n), block_size, region) for p, n in zip(seqs.prompt_lens, seqs.lengths)]
@@ -272,6 +365,8 @@ class AnchorBatches:
         }
         if self.taps is not None:
             batch["taps"] = np.asarray(self.taps[rows])
+        for what, values in self.soft.items():
+            batch[what] = np.asarray(values[rows])
         return batch
 
     def fixed_batches(self, seed: int = 12345) -> list[dict]:

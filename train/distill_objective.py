@@ -61,7 +61,8 @@ def block_tokens(tokens_BS, anchors_BA, block_size: int, mask_token_id: int):
 
 
 def block_forward(drafter: Drafter, target: Transformer, blocks_BAK, anchors_BA, taps_BSF):
-    """Drafter logits [B, A, H, V] (float32) of all blocks of each sequence in ONE forward.
+    """Drafter logits [B, A, H, V] (float32; [B, A, H, K] over a draft vocabulary) of all blocks of each sequence
+    in ONE forward.
 
     Block j (tokens blocks_BAK[:, j], embedded with the target's table) sits at
     positions anchors[j] .. anchors[j] + H and attends per `anchor_block_mask`
@@ -78,17 +79,38 @@ def block_forward(drafter: Drafter, target: Transformer, blocks_BAK, anchors_BA,
         anchor_block_mask(anchors_BA, S, Kb),
     )
     hidden_BAHD = hidden_BTD.reshape(B, A, Kb, -1)[:, :, 1:]
-    return target.unembed(hidden_BAHD).astype(jnp.float32)
+    return drafter.head(target, hidden_BAHD)
 
 
 def target_taps(target: Transformer, tokens_BS, layer_ids: tuple[int, ...]):
     """Frozen tap features [B, S, n_taps * D] of whole sequences (causal; the lm head is skipped)."""
+    return target_features(target, tokens_BS, layer_ids)[0]
+
+
+def target_features(target: Transformer, tokens_BS, layer_ids: tuple[int, ...], soft_k: int = 0):
+    """One frozen forward: tap features [B, S, F] and, with soft_k, the target's top-k next-token ids [B, S, k]
+    (int32) and probabilities [B, S, k] at every position (the soft targets; None, None without)."""
     B, S = tokens_BS.shape
     positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     causal_BSS = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
-    _, taps_BSF, _ = target(tokens_BS, positions_BS, causal_BSS, taps=layer_ids,
-                            logits_index_BI=jnp.zeros((B, 1), jnp.int32))
-    return jax.lax.stop_gradient(taps_BSF)
+    x_BSD, taps_BSF, _ = target.hidden(tokens_BS, positions_BS, causal_BSS, taps=layer_ids)
+    if not soft_k:
+        return jax.lax.stop_gradient(taps_BSF), None, None
+    p_BSk, ids_BSk = jax.lax.top_k(jax.nn.softmax(target.head(x_BSD), axis=-1), soft_k)
+    return jax.lax.stop_gradient(taps_BSF), ids_BSk.astype(jnp.int32), jax.lax.stop_gradient(p_BSk)
+
+
+def soft_targets_at(ids_BSk, p_BSk, anchors_BA, H: int, index_V=None):
+    """The soft targets of block slots 1..H: the target's top-k after position anchor + k - 1, [B, A, H, k] ids (in
+    the head's index: -1 outside a draft vocabulary) and probabilities renormalised over the ids kept."""
+    S = ids_BSk.shape[1]
+    pos_BAH = jnp.minimum(anchors_BA[..., None] + jnp.arange(H, dtype=jnp.int32), S - 1)
+    batch_B11 = jnp.arange(ids_BSk.shape[0])[:, None, None]
+    ids_BAHk, p_BAHk = ids_BSk[batch_B11, pos_BAH], p_BSk[batch_B11, pos_BAH].astype(jnp.float32)
+    if index_V is not None:
+        ids_BAHk = index_V[ids_BAHk]
+        p_BAHk = jnp.where(ids_BAHk >= 0, p_BAHk, 0.0)
+    return ids_BAHk, p_BAHk / jnp.maximum(jnp.sum(p_BAHk, axis=-1, keepdims=True), 1e-9)
 
 
 def labels_and_weights(tokens_BS, anchors_BA, anchor_valid_BA, lengths_B, weights_H):
@@ -101,36 +123,68 @@ def labels_and_weights(tokens_BS, anchors_BA, anchor_valid_BA, lengths_B, weight
     return labels_BAH, jnp.where(valid_BAH, weights_H, 0.0), valid_BAH
 
 
-def make_forward(drafter_graphdef, target_graphdef, weights_H: np.ndarray):
-    """(drafter params, batch) -> (logits [B,A,H,V], labels [B,A,H], weights [B,A,H], valid [B,A,H]).
+def make_forward(drafter_graphdef, target_graphdef, weights_H: np.ndarray, buffers=None, soft_k: int = 0):
+    """(drafter params, batch) -> (logits [B,A,H,V], labels [B,A,H], weights [B,A,H], valid [B,A,H], soft).
 
     batch holds the frozen target params under "target" (`loop.run(frozen=...)`: an argument, not a
-    closure constant, so they are not baked into the compiled program).
+    closure constant, so they are not baked into the compiled program). buffers: the drafter's untrained
+    state (`nnx.split(drafter, nnx.Param, ...)`). With a draft vocabulary the logits are [B,A,H,K] and the
+    labels are indices into it: -1 (weight 0, never a hit) for a target token outside it. soft: with
+    soft_k, the soft targets (`soft_targets_at`: ids [B,A,H,k], probabilities [B,A,H,k]), else None; from
+    the batch's "soft_ids" / "soft_p" when it carries precomputed features.
     """
     weights_H = jnp.asarray(weights_H)
+    states = () if buffers is None else (buffers,)
 
     def forward(params, batch):
-        drafter = nnx.merge(drafter_graphdef, params)
+        drafter = nnx.merge(drafter_graphdef, params, *states)
         target = nnx.merge(target_graphdef, batch["target"])
         c = drafter.config
         tokens_BS, anchors_BA = batch["tokens"], batch["anchors"]
         # Precomputed features (`tap_features`) when the batch carries them, else the frozen forward here.
-        taps_BSF = batch["taps"] if "taps" in batch else target_taps(target, tokens_BS, c.target_layer_ids)
+        if "taps" in batch:
+            taps_BSF, ids_BSk, p_BSk = batch["taps"], batch.get("soft_ids"), batch.get("soft_p")
+        else:
+            taps_BSF, ids_BSk, p_BSk = target_features(target, tokens_BS, c.target_layer_ids, soft_k)
         blocks_BAK = block_tokens(tokens_BS, anchors_BA, c.block_size, c.mask_token_id)
         logits_BAHV = block_forward(drafter, target, blocks_BAK, anchors_BA, taps_BSF)
         labels_BAH, w_BAH, valid_BAH = labels_and_weights(
             tokens_BS, anchors_BA, batch["anchor_valid"], batch["lengths"], weights_H)
-        return logits_BAHV, labels_BAH, w_BAH, valid_BAH
+        index_V = None
+        if c.draft_vocab_size is not None:
+            index_V = jnp.full((c.vocab_size,), -1, jnp.int32).at[drafter.draft_vocab[...]].set(
+                jnp.arange(c.draft_vocab_size, dtype=jnp.int32))
+            labels_BAH = index_V[labels_BAH]
+            w_BAH = jnp.where(labels_BAH >= 0, w_BAH, 0.0)
+        soft = None
+        if soft_k and ids_BSk is not None:  # validation batches carry none (its loss is the hard labels')
+            soft = soft_targets_at(ids_BSk, p_BSk, anchors_BA, weights_H.shape[0], index_V)
+        return logits_BAHV, labels_BAH, w_BAH, valid_BAH, soft
 
     return forward
 
 
-def make_loss_fn(forward):
-    """(params, batch) -> (sum_k w_k CE_k / sum_k w_k over the batch, {})."""
+def cross_entropy(logits_BAHV, labels_BAH):
+    """CE per position; a label of -1 (outside the draft vocabulary, weight 0) reads as 0, so it stays finite."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, jnp.maximum(labels_BAH, 0))
+
+
+def soft_cross_entropy(logits_BAHV, soft):
+    """-sum_j p_j log q(id_j) per position over the soft targets (ids outside a draft vocabulary have p = 0)."""
+    ids_BAHk, p_BAHk = soft
+    logq_BAHk = jnp.take_along_axis(jax.nn.log_softmax(logits_BAHV, axis=-1), jnp.maximum(ids_BAHk, 0), axis=-1)
+    return -jnp.sum(p_BAHk * logq_BAHk, axis=-1)
+
+
+def make_loss_fn(forward, soft_weight: float = 0.0):
+    """(params, batch) -> (sum_k w_k CE_k / sum_k w_k over the batch, {}); with soft targets, CE_k is
+    (1 - soft_weight) x the hard label's CE + soft_weight x the soft targets' CE."""
 
     def loss_fn(params, batch):
-        logits_BAHV, labels_BAH, w_BAH, _ = forward(params, batch)
-        ce_BAH = optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, labels_BAH)
+        logits_BAHV, labels_BAH, w_BAH, _, soft = forward(params, batch)
+        ce_BAH = cross_entropy(logits_BAHV, labels_BAH)
+        if soft is not None:
+            ce_BAH = (1.0 - soft_weight) * ce_BAH + soft_weight * soft_cross_entropy(logits_BAHV, soft)
         return jnp.sum(ce_BAH * w_BAH) / jnp.maximum(jnp.sum(w_BAH), 1e-9), {}
 
     return loss_fn
@@ -148,8 +202,8 @@ def make_evaluator(forward, batches: list[dict], target_params, out_dir: Path | 
 
     @jax.jit
     def stats(params, batch):
-        logits_BAHV, labels_BAH, w_BAH, valid_BAH = forward(params, batch)
-        ce_BAH = optax.softmax_cross_entropy_with_integer_labels(logits_BAHV, labels_BAH)
+        logits_BAHV, labels_BAH, w_BAH, valid_BAH, _ = forward(params, batch)
+        ce_BAH = cross_entropy(logits_BAHV, labels_BAH)  # hard labels: comparable with or without soft targets
         hit_BAH = (jnp.argmax(logits_BAHV, -1) == labels_BAH) & valid_BAH
         full_BA = jnp.all(valid_BAH, axis=-1)  # blocks with all H labels: the empirical chain
         leading_BA = jnp.sum(jnp.cumprod(hit_BAH, axis=-1), axis=-1)

@@ -3,6 +3,9 @@
 config.json: Qwen3 fields + `block_size`, `num_target_layers` and
 `dflash_config: {mask_token_id, target_layer_ids}`. Weights carry no
 `model.` prefix: fc.weight, hidden_norm.weight, layers.{i}...., norm.weight.
+Ours may add `draft_vocab_size: K` and the int32 tensor `draft_vocab` [K]
+(the target ids of the drafter's K logits); a file without them drafts over
+the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 from taps_jax.checkpoints.hf import _field, _rope, check_dir, read_json, rope_scaling_to_hf
@@ -88,6 +92,8 @@ def config_from_dflash(raw: dict, source: str = "config.json", dtype: str = "flo
             rope_scaling=scaling,
             rms_norm_eps=_field(raw, "rms_norm_eps", float, source, default=1e-6),
             dtype=dtype,
+            draft_vocab_size=(None if raw.get("draft_vocab_size") is None
+                              else _field(raw, "draft_vocab_size", int, source)),
         )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
@@ -119,6 +125,8 @@ def config_to_dflash(config: DrafterConfig) -> dict:
     }
     if c.rope_scaling is not None:
         raw["rope_scaling"] = rope_scaling_to_hf(c.rope_scaling)
+    if c.draft_vocab_size is not None:
+        raw["draft_vocab_size"] = c.draft_vocab_size  # its ids are the `draft_vocab` tensor
     return raw
 
 
@@ -136,7 +144,13 @@ def load_drafter_module(path, dtype: str = "float32") -> tuple[Drafter, DrafterC
     def ignore(name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")  # derived from the config
 
-    return load_weights(abstract, path, _no_prefix, str(path), ignore), config
+    drafter = load_weights(abstract, path, _no_prefix, str(path), ignore)
+    if config.draft_vocab_size is not None:
+        try:
+            drafter.set_draft_vocab(jax.device_get(drafter.draft_vocab[...]))
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor 'draft_vocab': {e}; re-export the drafter") from e
+    return drafter, config
 
 
 def save_drafter(drafter: Drafter, path) -> None:

@@ -152,9 +152,11 @@ def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
 
 
 def module_to_tensors(module: nnx.Module, prefix_of: Callable[[tuple], str]) -> dict[str, np.ndarray]:
-    """Host numpy tensors of a module under HF names."""
+    """Host numpy tensors of a module under HF names (its params and buffers, e.g. a draft vocabulary)."""
+    from taps_jax.models.layers import Buffer  # noqa: PLC0415 (models import this module's readers)
+
     out = {}
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(module, (nnx.Param, Buffer))):
         name, transpose = hf_name(path, prefix_of(path))
         value = np.asarray(jax.device_get(var.get_value()))
         out[name] = value.T if transpose else value

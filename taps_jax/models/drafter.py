@@ -16,19 +16,28 @@ the whole block (`layers.attend_cached`); training and parity checks use
 `Drafter.forward_masked`, dense attention under a general visibility mask
 over [context; block] keys (an anchor-keyed mask for training, DESIGN 4).
 Attribute names follow the checkpoint (fc, hidden_norm, layers.{i}..., norm).
+
+A draft vocabulary (`draft_vocab_size` K, the `draft_vocab` ids) restricts
+the drafter's logits to K target ids: the head costs K/V of the full one, in
+training and in every round. Its proposals are scattered back to the full
+vocabulary (the other ids at `OUTSIDE`), so trees, the lookup and verification
+never see it and decoding stays lossless.
 """
 
 from __future__ import annotations
 
 import flax.struct
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from taps_jax.config import DrafterConfig
 from taps_jax.models.cache import KVCache
 from taps_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq, rope_table,
+    MLP, Buffer, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq, rope_table,
 )
+
+OUTSIDE = -1e30  # draft logit of an id outside the draft vocabulary: probability 0, finite (no inf - inf)
 
 
 @flax.struct.dataclass
@@ -114,6 +123,34 @@ class Drafter(nnx.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt)
         self.layers = nnx.List([DrafterLayer(c, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dt)
+        if c.draft_vocab_size is not None:
+            # Target ids of the K draft logits, ascending; set by `set_draft_vocab` (fitted on training answers).
+            self.draft_vocab = Buffer(jnp.arange(c.draft_vocab_size, dtype=jnp.int32))
+
+    def set_draft_vocab(self, ids) -> None:
+        """Use these K distinct target ids as the draft vocabulary (K = the config's draft_vocab_size)."""
+        ids = np.asarray(ids)
+        K, V = self.config.draft_vocab_size, self.config.vocab_size
+        if K is None:
+            raise ValueError("this drafter has no draft vocabulary (draft_vocab_size is None)")
+        if ids.shape != (K,) or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"a draft vocabulary is {K} integer ids, got shape {ids.shape} of {ids.dtype}")
+        if len(np.unique(ids)) != K or ids.min() < 0 or ids.max() >= V:
+            raise ValueError(f"draft vocabulary ids must be distinct ids in [0, {V})")
+        self.draft_vocab.set_value(jnp.asarray(np.sort(ids), jnp.int32))
+
+    def head(self, target, hidden_BXD):
+        """Logits [..., K] over the draft vocabulary ([..., V] without one), float32, from the target's head."""
+        if self.config.draft_vocab_size is None:
+            return target.unembed(hidden_BXD).astype(jnp.float32)
+        return target.unembed_rows(hidden_BXD, self.draft_vocab[...]).astype(jnp.float32)
+
+    def full_vocab(self, logits_BXK):
+        """Draft-vocabulary logits scattered into the full vocabulary ([..., V]; other ids at OUTSIDE)."""
+        if self.config.draft_vocab_size is None:
+            return logits_BXK
+        full = jnp.full(logits_BXK.shape[:-1] + (self.config.vocab_size,), OUTSIDE, logits_BXK.dtype)
+        return full.at[..., self.draft_vocab[...]].set(logits_BXK)
 
     def _rope(self, positions_BT):
         c = self.config
@@ -213,4 +250,4 @@ def draft_logits(drafter: Drafter, target, block_tokens_BK, block_positions_BK, 
     embeds_BKD = target.embed(block_tokens_BK)
     hidden_BKD = drafter(embeds_BKD, block_positions_BK, cache)
     hidden_BHD = hidden_BKD[:, 1:]
-    return target.unembed(hidden_BHD).astype(jnp.float32), hidden_BHD
+    return drafter.full_vocab(drafter.head(target, hidden_BHD)), hidden_BHD

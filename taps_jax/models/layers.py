@@ -12,6 +12,11 @@ from flax import nnx
 from taps_jax.config import RopeFactors, RopeScaling
 
 
+class Buffer(nnx.Variable):
+    """A saved array that training leaves alone (the drafter's draft-vocabulary ids): in the checkpoint with
+    the params, never in the optimizer's state."""
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32, as Hugging Face's Qwen/Llama do."""
 

@@ -99,6 +99,15 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(x_BTD).astype(jnp.float32)
         return self.lm_head(x_BTD).astype(jnp.float32)
 
+    def unembed_rows(self, x_BXD, ids_K):
+        """`unembed` restricted to the vocabulary ids `ids_K`: logits [..., K] float32 (a draft vocabulary)."""
+        dt = self.config.jnp_dtype  # as the full head computes (its modules promote to the model dtype)
+        if self.lm_head is None:
+            w_DK = self.embed_tokens.embedding[...][ids_K].T
+        else:
+            w_DK = jnp.take(self.lm_head.kernel[...], ids_K, axis=1)
+        return jnp.dot(x_BXD.astype(dt), w_DK.astype(dt)).astype(jnp.float32)
+
     def hidden(self, tokens_BT, positions_BT, mask_BTT, cache: KVCache | None = None, taps: tuple[int, ...] = (),
                write_at=None):
         """The layer stack over a chunk of new tokens, without the head.
