@@ -160,3 +160,18 @@ def no_tracing(monkeypatch):
     monkeypatch.setattr(decoder, "spec_generate", traced)
     monkeypatch.setattr(api, "ar_generate", traced)
     monkeypatch.setattr(api, "_logits", traced)
+
+
+# The slowest files first (by `--durations` on this 2-core machine, 2026-12-03): with `--dist loadfile` each file
+# runs whole on one worker, and xdist by default hands out files with MORE TESTS first (`--loadscope-reorder`), so
+# test_recipe and test_set_recipe (3 tests each, the two longest tests) ran last. pyproject's addopts pass
+# `--no-loadscope-reorder`: files go out in this collection order, longest first, the short ones fill the end.
+SLOW_FILES = ("test_adaptive", "test_stream", "test_recipe", "test_smollm2", "test_sharding", "test_set_recipe",
+              "test_speculative", "test_cli", "test_smollm2_set", "test_refill", "test_docs", "test_compile_cache",
+              "test_taps", "test_lookup", "test_distill", "test_traces", "test_long_prompts", "test_own_data",
+              "test_default_set")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(SLOW_FILES)))  # stable: order within
