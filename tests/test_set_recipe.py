@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from flax import nnx
 
+from taps_jax.api import Target
+from taps_jax.checkpoints.tokenizer import Tokenizer
+from taps_jax.config import ModelConfig
+from taps_jax.models.transformer import Transformer
 from taps_jax.decoder import DEFAULT_MODEL_DIR, load_model_set
 from train import set_recipe
 
@@ -15,8 +19,13 @@ TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}<|endoftex
 
 
 def tiny_set(tmp_path):
+    """A 2-layer random target with the default set's tokenizer (vocab 8192) and a chat template: every stage runs
+    as on a real set, and its programs compile in a third of the time the default 6-layer target's take."""
     target = tmp_path / "target"
-    shutil.copytree(DEFAULT_MODEL_DIR / "target", target)
+    cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, tie_embeddings=True)
+    tokenizer = Tokenizer.from_file(DEFAULT_MODEL_DIR / "target" / "tokenizer.json")
+    Target(Transformer(cfg, nnx.Rngs(0)), tokenizer, (0,)).save(target)
     (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     spec = {
         "target": str(target), "assets": str(tmp_path / "assets"), "drafter_preset": "tiny",
