@@ -10,8 +10,8 @@ from flax import nnx
 from taps_jax.api import Target
 from taps_jax.checkpoints.tokenizer import Tokenizer
 from taps_jax.config import ModelConfig
-from taps_jax.models.transformer import Transformer
 from taps_jax.decoder import DEFAULT_MODEL_DIR, load_model_set
+from taps_jax.models.transformer import Transformer
 from train import set_recipe
 
 TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}<|endoftext|>\n{% endfor %}"
@@ -20,7 +20,7 @@ TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}<|endoftex
 
 def tiny_set(tmp_path):
     """A 2-layer random target with the default set's tokenizer (vocab 8192) and a chat template: every stage runs
-    as on a real set, and its programs compile in a third of the time the default 6-layer target's take."""
+    as on a real set (this test: 307 s against 370 s on the default 6-layer target, run side by side)."""
     target = tmp_path / "target"
     cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                       num_kv_heads=1, head_dim=32, rope_theta=10000.0, tie_embeddings=True)
