@@ -163,10 +163,7 @@ def _suite_cache(tmp_path_factory):
     folder.mkdir(exist_ok=True)
     os.environ.setdefault("TAPS_JAX_CACHE_DIR", str(folder))
     os.environ.setdefault(compile_cache.ENV, "1")
-    if os.environ[compile_cache.ENV] == "1":
-        compile_cache.enable(Path(os.environ["TAPS_JAX_CACHE_DIR"]) / "xla")
-    else:
-        compile_cache.disable()
+    compile_cache.ensure()  # as a command starts: $TAPS_JAX_CACHE_DIR/xla, or off with $TAPS_JAX_COMPILE_CACHE=0
     yield folder
 
 
