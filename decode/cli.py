@@ -32,6 +32,7 @@ try:
     from taps_jax.calls import STREAM_CHUNK
     from taps_jax.engine.prefill import PREFILL_CHUNK
     from taps_jax.prompt_file import check_text
+    from taps_jax.session import SESSION_CHUNK, SESSION_CONTEXT
 finally:
     if _NO_IPYTHON and sys.modules.get("IPython", 0) is None:
         del sys.modules["IPython"]
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK,
                    help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}); prefill memory grows with "
                         "chunk x context, so lower it for very long prompts on small devices")
+    p.add_argument("--context", type=positive_int, default=None, metavar="N",
+                   help=f"chat session: conversation tokens its caches hold (default {SESSION_CONTEXT}, or what the "
+                        "target's context allows); its programs compile once for this size")
     p.add_argument("--stats", action="store_true",
                    help="print mean accepted length (tau), rounds, tokens/s, compile and decode seconds to stderr")
     p.add_argument("--stream", action="store_true",
@@ -143,6 +147,8 @@ def check_args(args) -> None:
         if len(args.adaptive_costs) != len(budgets):
             raise ValueError(f"--adaptive-costs needs {len(budgets)} values, one per budget "
                              f"{','.join(map(str, budgets))} of --budget {args.budget}; got {len(args.adaptive_costs)}")
+    if args.context is not None and not (args.chat and args.prompt is None and args.prompts is None):
+        raise ValueError("--context sizes an interactive chat session (--chat without --prompt/--prompts); drop it")
     for flag, value in (("--shard", args.shard), ("--force-new", args.force_new),
                         ("--static-batches", args.static_batches), ("--refill-rows", args.refill_rows)):
         if args.prompts is None and value:
@@ -234,8 +240,16 @@ def decode_one(decoder, args, prompt, echo: str):
 
 
 def chat_session(decoder, args) -> int:
-    """A multi-turn conversation on stdin/stdout: each line is a user turn, each answer is streamed."""
+    """A multi-turn conversation on stdin/stdout: each line is a user turn, each answer is streamed.
+
+    The conversation's caches stay on device between turns (`taps_jax.session`): a turn prefills only its new
+    tokens, and the session's programs compile once, when it opens."""
     args.stream = True
+    begin = time.perf_counter()  # the wait before the first turn: an adaptive decoder's calibration, then compiles
+    session = decoder.session(args.max_new_tokens, context=args.context, chunk=min(args.prefill_chunk, SESSION_CHUNK),
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    session.compile()  # before the first turn is read: no turn waits for a compile
+    waited = time.perf_counter() - begin
     messages = []
     interactive = sys.stdin.isatty()
     show = sharding.is_main_process()
@@ -254,7 +268,13 @@ def chat_session(decoder, args) -> int:
             continue
         check_text(text, "the message", from_argv=True, hint="type UTF-8 text")
         messages.append({"role": "user", "content": text})
-        result = decode_one(decoder, args, list(messages), "")
+        printed = TextDeltas("") if show else None  # every process decodes, one prints
+        for result in session.turn(list(messages)):
+            if printed:
+                printed.show(result.texts[0])
+        if printed:
+            printed.show(result.texts[0], final=True)
+        result.stats["compile_s"], waited = waited, 0.0  # the session's compile: before the first turn only
         messages.append({"role": "assistant", "content": result.texts[0]})
         show_stats(args, result)
 
@@ -266,8 +286,10 @@ def show_stats(args, result) -> None:
         rounds = result.stats.get("rounds", [n])[0]
         tau = result.stats.get("tau", 1.0)
         decode_s = result.stats["decode_s"]
+        prefill = result.stats.get("prefill_tokens")  # a chat session's turn: the prompt tokens it ran, and reused
+        cached = "" if prefill is None else f"prefill_tokens={prefill} cached_tokens={result.stats['cached_tokens']} "
         print(f"[{args.policy}] tokens={n} rounds={rounds} tau={tau:.2f} tokens/s={n / decode_s:.1f} "
-              f"compile_s={result.stats['compile_s']:.2f} decode_s={decode_s:.2f} "
+              f"compile_s={result.stats['compile_s']:.2f} decode_s={decode_s:.2f} {cached}"
               f"finish={result.finish_reasons[0]}", file=sys.stderr)
 
 

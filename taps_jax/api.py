@@ -20,13 +20,16 @@ from taps_jax.checkpoints import gguf
 from taps_jax.checkpoints.tensors import load_weights
 from taps_jax.checkpoints.tokenizer import Tokenizer, load_dir_tokenizer, load_gguf_tokenizer, stop_ids
 from taps_jax.config import ModelConfig
-from taps_jax.engine.ar import DecodeConfig, ar_advance, ar_generate, ar_outputs, ar_refill, ar_start, ar_until
+from taps_jax.engine.ar import (
+    DecodeConfig, ar_advance, ar_extend, ar_generate, ar_outputs, ar_refill, ar_start, ar_until,
+)
 from taps_jax.engine.batching import check_call, check_lengths, encode_prompts, pad_batch
 from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.engine.static import StaticGraph
 from taps_jax.models.transformer import Transformer
+from taps_jax.session import SESSION_CHUNK, ChatSession, session_sizes
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -133,9 +136,18 @@ class Target:
         args = (self._static_graph, self.params, sharding.put_batch(prompt, mesh), sharding.put_batch(lens, mesh),
                 sharding.put_batch(active, mesh), jax.random.key(seed))
         programs = Programs(ar_generate, ar_start, ar_advance, lambda s, kw: ar_outputs(s), ("graphdef", "config"),
-                            ar_until, ar_refill)
+                            ar_until, ar_refill, ar_extend)
         return GenerateCall(programs, args, {"config": config},
                             lambda out: self._result(*out, len(ids)), mesh, estimate)
+
+    def session(self, max_new_tokens: int = 64, *, context: int | None = None, chunk: int = SESSION_CHUNK,
+                **options) -> ChatSession:
+        """A conversation that keeps its KV cache between turns (`taps_jax.session`): each turn prefills only
+        what follows what the cache holds. context: conversation tokens it may hold (default: 4096, or less on a
+        shorter target); chunk: prefill tokens per step; options: temperature, top_k, top_p, seed, stop_at_eos."""
+        context, capacity = session_sizes(self.config, context, max_new_tokens, 0, chunk)
+        call = self.prepare([[0]], max_new_tokens, capacity=capacity, prefill_chunk=chunk, **options)
+        return ChatSession(self, call, context, 0)
 
     def generate(self, prompts, max_new_tokens: int = 64, **options) -> GenerateResult:
         """Plain autoregressive decoding (batched; greedy when temperature is 0).

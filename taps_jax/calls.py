@@ -77,6 +77,8 @@ class Programs:
     # Continuous batching (`taps_jax.engine.refill`; `GenerateCall.refilled`):
     until: Callable | None = None  # until(*model, state, need, limit, **kw): advance until `need` rows are stopped
     refill: Callable | None = None  # refill(*model, state, prompt [K, T], lens [K], rows [K], **kw) -> state
+    # A conversation that goes on (`taps_jax.session`): prefill only what follows what the cache holds.
+    extend: Callable | None = None  # extend(*model, state, prompt [B, T], lens [B], start, **kw) -> state
 
 
 def _dynamic(fn, static: tuple[str, ...], args, kwargs):

@@ -24,10 +24,11 @@ from taps_jax.engine.prefill import FINISH_NAMES, PREFILL_CHUNK, RUNNING
 from taps_jax.engine.sampling import SamplingConfig
 from taps_jax.engine.sizing import check_memory, estimate_memory, params_bytes, plan_capacity
 from taps_jax.engine.static import StaticGraph
-from taps_jax.engine.speculative import (SpecConfig, spec_advance, spec_generate, spec_outputs, spec_refill, spec_start,
-                                         spec_until)
+from taps_jax.engine.speculative import (SpecConfig, spec_advance, spec_extend, spec_generate, spec_outputs,
+                                         spec_refill, spec_start, spec_until)
 from taps_jax.model_sets import NAMED_SETS, resolve_set, set_name, target_of
 from taps_jax.models.drafter import Drafter
+from taps_jax.session import SESSION_CHUNK, ChatSession, session_sizes
 from taps_jax.tree.lookup import LookupTable
 from taps_jax.tree.policies import TreeConfig
 
@@ -235,6 +236,30 @@ class SpeculativeDecoder:
             return self.target.prepare(prompts, max_new_tokens, **options)
         return self._prepare(prompts, max_new_tokens, options)
 
+    def session(self, max_new_tokens: int = 64, *, context: int | None = None, chunk: int = SESSION_CHUNK,
+                **options) -> ChatSession:
+        """A conversation that keeps its caches between turns (`taps_jax.session`): each turn prefills only what
+        follows what the target's cache and the drafter's context hold. context: conversation tokens it may hold
+        (default: 4096, or less on a shorter target); chunk: prefill tokens per step; options: as `generate`'s
+        (capacity and prefill_chunk are the session's). An adaptive session runs the speculative program every
+        turn (its loop takes AR steps where trees do not pay), its statistics going on from turn to turn."""
+        if self.policy == "ar":
+            return self.target.session(max_new_tokens, context=context, chunk=chunk, **options)
+        headroom = self.tree.tree_size(self.horizon)
+        context, capacity = session_sizes(self.target.config, context, max_new_tokens, headroom, chunk)
+        options = self._call_options(capacity=capacity, prefill_chunk=chunk, **options)
+        call = self._prepare([[0]], max_new_tokens, options, shortcut=False)
+        before_turn = None
+        if self.adaptive is not None:
+            sampling = call.kwargs["config"].decode.sampling
+            key = (sampling, self.branch_costs)
+
+            def before_turn(kwargs):  # the last finished turn's statistics and probe clock
+                prior, clock = self._start(key, sampling)
+                kwargs.update(prior=prior, clock=clock)
+
+        return ChatSession(self.target, call, context, headroom, before_turn)
+
     def _call_options(self, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                       capacity: int | None = None, stop_at_eos: bool = True, prefill_chunk: int | None = None) -> dict:
         """A call's options, defaults filled in (the prefill chunk: the decoder's)."""
@@ -308,7 +333,7 @@ class SpeculativeDecoder:
                           max_rounds=self._no_limit, prior=prior, clock=clock)
         programs = Programs(spec_generate, spec_start, spec_advance, lambda c, kw: spec_outputs(c, kw["config"]),
                             ("target_graphdef", "drafter_graphdef", "config", "scorer_graphdef"), spec_until,
-                            spec_refill)
+                            spec_refill, spec_extend)
         return GenerateCall(programs, args, kwargs, lambda out: self._result(out, len(ids), key), mesh, estimate)
 
     def _trees_never_pay(self, prior: np.ndarray) -> bool:

@@ -41,11 +41,16 @@ class ARState:
     key: jax.Array
 
 
-def ar_init(model, prompt_BT, prompt_len_B, active_B, key, config: DecodeConfig) -> ARState:
-    """Prefill and the first token; active_B marks real sequences (padded batch slots start finished)."""
+def ar_init(model, prompt_BT, prompt_len_B, active_B, key, config: DecodeConfig, resume=None) -> ARState:
+    """Prefill and the first token; active_B marks real sequences (padded batch slots start finished).
+
+    resume: (cache, start): the prompts' first `start` tokens are in `cache` already (`ar_extend`).
+    """
     B = prompt_BT.shape[0]
     N = config.max_new_tokens
-    logits_BV, _, cache = prefill(model, prompt_BT, prompt_len_B, config.capacity, chunk=config.prefill_chunk)
+    cache, start = (None, None) if resume is None else resume
+    logits_BV, _, cache = prefill(model, prompt_BT, prompt_len_B, config.capacity, chunk=config.prefill_chunk,
+                                  cache=cache, start=start)
     key, sub = jax.random.split(key)
     first_B = sample(logits_BV, sub, config.sampling)
     generated_B = jnp.ones((B,), jnp.int32)
@@ -149,3 +154,16 @@ def ar_refill(graphdef, params, state: ARState, prompt_KT, prompt_len_K, rows_K,
     key, sub = jax.random.split(state.key)
     part = ar_init(merge(graphdef, params), prompt_KT, prompt_len_K, rows_K < B, sub, config)
     return put_rows(state, part, rows_K, AR_ROW_FIELDS, ("cache",)).replace(key=key)
+
+
+# A conversation that goes on (`taps_jax.session`): the next turn's prompt reuses the cache of the last one.
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def ar_extend(graphdef, params, state: ARState, prompt_BT, prompt_len_B, start, *, config: DecodeConfig) -> ARState:
+    """`ar_start` for prompts whose first `start` tokens (a traced scalar) already sit in `state`'s cache: only the
+    rest is prefilled (`prefill`'s resume), then the first token and fresh counters, as `ar_init`; the key goes on
+    from `state`'s. Rows with prompt_len 0 are padding."""
+    key, sub = jax.random.split(state.key)
+    s = ar_init(merge(graphdef, params), prompt_BT, prompt_len_B, prompt_len_B > 0, sub, config, (state.cache, start))
+    return s.replace(key=key)

@@ -28,7 +28,7 @@ def cache_slots(capacity: int, prompt_T: int, chunk: int) -> int:
 
 
 def prefill(model: Transformer, prompt_BT, prompt_len_B, capacity: int, taps: tuple[int, ...] = (), *,
-            chunk: int = PREFILL_CHUNK, absorb=None, carry=None):
+            chunk: int = PREFILL_CHUNK, absorb=None, carry=None, cache: KVCache | None = None, start=None):
     """Run right-padded prompts through a fresh cache, `chunk` tokens at a time.
 
     One compiled chunk step, looped over ceil(longest prompt / chunk) chunks
@@ -42,33 +42,45 @@ def prefill(model: Transformer, prompt_BT, prompt_len_B, capacity: int, taps: tu
     of the chunk per sequence), e.g. the drafter's context cache; the whole
     prompt's features are never held at once.
 
+    cache + start (a traced scalar): go on from a cache whose slots [0, start)
+    already hold the first `start` tokens of every prompt (a conversation's
+    earlier turns, `taps_jax.session`): only tokens [start, prompt_len) run,
+    in chunks written at start + c*chunk, so the cache needs `chunk` slots of
+    room past the longest prompt (the session sizes it so). Every prompt must
+    have a token at or past `start`.
+
     Returns (logits [B, V] at each prompt's last token, carry, cache with
     lengths = prompt_len; its slots are `cache_slots(capacity, ...)`).
     """
     B, T = prompt_BT.shape
     C = prefill_chunk(T, chunk)
-    if T % C:  # pad the buffer to whole chunks (static); the loop never reaches the padding anyway
-        prompt_BT = jnp.pad(prompt_BT, ((0, 0), (0, C - T % C)))
+    # Pad the buffer to whole chunks (static), one more when resuming (a chunk may begin anywhere before the end);
+    # the loop never reaches the padding anyway.
+    pad = -T % C + (C if cache is not None else 0)
+    if pad:
+        prompt_BT = jnp.pad(prompt_BT, ((0, 0), (0, pad)))
     prompt_len_B = prompt_len_B.astype(jnp.int32)
-    cache = KVCache.zeros(model.config, B, cache_slots(capacity, T, chunk))
+    if cache is None:
+        cache, start = KVCache.zeros(model.config, B, cache_slots(capacity, T, chunk)), 0
+    start = jnp.asarray(start, jnp.int32)
 
     def step(c, state):
         cache, last_BD, carry = state
-        start = c * C
-        tokens_BC = jax.lax.dynamic_slice(prompt_BT, (0, start), (B, C))
-        positions_BC = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
-        count_B = jnp.clip(prompt_len_B - start, 0, C)
-        cache = cache.replace(lengths_B=jnp.minimum(prompt_len_B, start))
-        x_BCD, taps_BCF, cache = model.hidden(tokens_BC, positions_BC, causal_mask(count_B, C), cache, taps, start)
+        begin = start + c * C
+        tokens_BC = jax.lax.dynamic_slice(prompt_BT, (0, begin), (B, C))
+        positions_BC = jnp.broadcast_to(begin + jnp.arange(C, dtype=jnp.int32), (B, C))
+        count_B = jnp.clip(prompt_len_B - begin, 0, C)
+        cache = cache.replace(lengths_B=jnp.minimum(prompt_len_B, begin))
+        x_BCD, taps_BCF, cache = model.hidden(tokens_BC, positions_BC, causal_mask(count_B, C), cache, taps, begin)
         # Keep the hidden state of each prompt's last token when it falls in this chunk.
-        last_B = prompt_len_B - 1 - start
+        last_B = prompt_len_B - 1 - begin
         x_BD = jnp.take_along_axis(x_BCD, jnp.clip(last_B, 0, C - 1)[:, None, None], axis=1)[:, 0]
         last_BD = jnp.where(((last_B >= 0) & (last_B < C))[:, None], x_BD, last_BD)
         if absorb is not None:
-            carry = absorb(carry, taps_BCF, start, count_B)
+            carry = absorb(carry, taps_BCF, begin, count_B)
         return cache, last_BD, carry
 
-    num_chunks = (jnp.max(prompt_len_B) + C - 1) // C
+    num_chunks = jnp.maximum(jnp.max(prompt_len_B) - start + C - 1, 0) // C
     last_BD = jnp.zeros((B, model.config.hidden_size), model.config.jnp_dtype)
     cache, last_BD, carry = jax.lax.fori_loop(0, num_chunks, step, (cache, last_BD, carry))
     logits_BV = model.head(last_BD[:, None])[:, 0]

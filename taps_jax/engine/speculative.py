@@ -97,31 +97,41 @@ def _sizes(drafter, config: SpecConfig) -> tuple[int, int, int]:
     return H, T, min(H + 1, T)
 
 
-def prefill_both(target, drafter, prompt_BT, prompt_len_B, config: DecodeConfig):
+def prefill_both(target, drafter, prompt_BT, prompt_len_B, config: DecodeConfig, resume=None):
     """Chunked prefill of the target that feeds each chunk's tap features straight to the drafter's context.
+
+    resume: (target cache, drafter cache, start): both hold the prompts' first `start` tokens already (the
+    drafter's context absorbed up to there: `spec_extend`); only the rest is prefilled.
 
     Returns (logits [B, V] at each prompt's last token, target cache, drafter cache).
     """
     B, T = prompt_BT.shape
-    slots = cache_slots(config.capacity, T, config.prefill_chunk)
+    if resume is None:
+        cache, start = None, None
+        dcache = DrafterCache.zeros(drafter.config, B, cache_slots(config.capacity, T, config.prefill_chunk))
+    else:
+        cache, dcache, start = resume
+        dcache = dcache.replace(lengths_B=jnp.minimum(prompt_len_B.astype(jnp.int32), start))
 
-    def absorb(dcache, taps_BCF, start, count_B):
-        return drafter.append_context(taps_BCF, count_B, dcache, start)
+    def absorb(dcache, taps_BCF, begin, count_B):
+        return drafter.append_context(taps_BCF, count_B, dcache, begin)
 
     logits_BV, dcache, cache = prefill(
         target, prompt_BT, prompt_len_B, config.capacity, drafter.config.target_layer_ids,
-        chunk=config.prefill_chunk, absorb=absorb, carry=DrafterCache.zeros(drafter.config, B, slots),
+        chunk=config.prefill_chunk, absorb=absorb, carry=dcache, cache=cache, start=start,
     )
     return logits_BV, cache, dcache
 
 
-def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig) -> SpecState:
-    """Prefill: the prompt fills the target cache and the drafter's context; sample the first token."""
+def init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig,
+               resume=None) -> SpecState:
+    """Prefill: the prompt fills the target cache and the drafter's context; sample the first token.
+    resume: as `prefill_both`'s."""
     dc = config.decode
     B = prompt_BT.shape[0]
     N = dc.max_new_tokens
     _, T, A = _sizes(drafter, config)
-    logits_BV, cache, dcache = prefill_both(target, drafter, prompt_BT, prompt_len_B, dc)
+    logits_BV, cache, dcache = prefill_both(target, drafter, prompt_BT, prompt_len_B, dc, resume)
     key, sub = jax.random.split(key)
     bonus_B = sample(logits_BV, sub, dc.sampling)
     generated_B = jnp.ones((B,), jnp.int32)
@@ -429,8 +439,8 @@ def adaptive_loop(target, drafter, scorer, carry, costs_K, config: SpecConfig, f
 
 
 def start_carry(target, drafter, prompt_BT, prompt_len_B, active_B, key, config: SpecConfig, costs_K, prior,
-                clock):
-    state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config)
+                clock, resume=None):
+    state = init_state(target, drafter, prompt_BT, prompt_len_B, active_B, key, config, resume)
     if config.adaptive is None:
         return state
     st = adapt.AdaptiveState.init(config.decode.max_new_tokens, config.adaptive, prior,
@@ -565,3 +575,29 @@ def spec_refill(
     part = part.replace(prompt_BP=jnp.pad(part.prompt_BP, ((0, 0), (0, P - part.prompt_BP.shape[1]))))
     state = _pin(put_rows(state, part, rows_K, ROW_FIELDS, ("cache", "dcache")).replace(key=key))
     return state if config.adaptive is None else (state, carry[1])
+
+
+# A conversation that goes on (`taps_jax.session`): the next turn's prompt reuses the caches of the last one.
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
+def spec_extend(
+    target_graphdef, target_params, drafter_graphdef, drafter_params, carry, prompt_BT, prompt_len_B, start, *,
+    config: SpecConfig, scorer_graphdef=None, scorer_params=None, costs_K=None, force=-1, max_rounds=None,
+    prior=None, clock=None,
+):
+    """`spec_start` for prompts whose first `start` tokens (a traced scalar) already sit in `carry`'s caches.
+
+    The pending tap features go to the drafter's context first, so both caches hold every committed token; then
+    only tokens [start, prompt_len) are prefilled into both, and the state is `init_state`'s (first token, no
+    pending taps, fresh counters; the key goes on from the carry's). Adaptive: the statistics start again from
+    `prior` and `clock`, as a new call's (the decoder keeps the last turn's). Rows with prompt_len 0 are padding.
+    """
+    target, drafter, _ = _merge(
+        target_graphdef, target_params, drafter_graphdef, drafter_params, scorer_graphdef, scorer_params, config
+    )
+    state = absorb_context(drafter, carry if config.adaptive is None else carry[0])
+    key, sub = jax.random.split(state.key)
+    new = start_carry(target, drafter, prompt_BT, prompt_len_B, prompt_len_B > 0, sub, config, costs_K, prior, clock,
+                      (state.cache, state.dcache, start))
+    return new.replace(key=key) if config.adaptive is None else (new[0].replace(key=key), new[1])
