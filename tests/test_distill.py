@@ -169,6 +169,22 @@ def test_generation_mixes_modes_and_is_cached(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("train-*/tokens.npy"))) == 1
 
 
+def test_static_batches_answer_as_refilled_rows_do(tmp_path, monkeypatch):
+    """`static_batches` (the comparison mode) gives the refilled run's greedy answers, some of them cut at EOS."""
+    base = tiny_target()
+    target = Target(base.model, None, (5, 6, 7, 8))
+    ps = prompts(12, seed=2)
+    refilled = D.generate_sequences(target, ps, 24, batch_size=4, greedy_fraction=1.0, cache_dir=tmp_path / "r")
+    assert (refilled.lengths - refilled.prompt_lens < 24).any(), "no answer stopped early: the test proves nothing"
+    monkeypatch.setattr("taps_jax.calls.refilled", lambda *a, **k: pytest.fail("static batches refilled rows"))
+    static = D.generate_sequences(target, ps, 24, batch_size=4, greedy_fraction=1.0, static_batches=True,
+                                  cache_dir=tmp_path / "s")
+    np.testing.assert_array_equal(static.lengths, refilled.lengths)
+    np.testing.assert_array_equal(static.tokens, refilled.tokens)
+    meta = json.loads(next((tmp_path / "s").glob("train-*/meta.json")).read_text())
+    assert meta["refill_rows"] == 0 and meta["tokens_per_s"] > 0
+
+
 def test_an_interrupted_generation_continues_with_the_unanswered_prompts(tmp_path, monkeypatch):
     """Answers are saved as rows finish (continuous batching); a rerun decodes only the prompts left, and every
     greedy answer is the batch-1 AR one, whichever row it ran in."""

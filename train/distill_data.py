@@ -78,6 +78,7 @@ def generate_sequences(
     name: str = "train",
     seq_multiple: int = 16,
     refill_rows: int | None = None,
+    static_batches: bool = False,
     save_every_s: float = 60.0,
 ) -> Sequences:
     """Continue every prompt with the target (AR, `batch_size` rows, continuous batching), cached on disk.
@@ -87,7 +88,8 @@ def generate_sequences(
     halves are random subsets); each half is one refilled run (`calls.refilled`:
     a row that stops takes the next prompt, `refill_rows` at a time, default
     batch_size / 8), so no slot waits for the longest answer of its batch (on a
-    data-parallel mesh: static batches, as decoding jobs do). One cache
+    data-parallel mesh, or with `static_batches`: fixed batches that end with
+    their longest answer, for comparison, as decoding jobs do). One cache
     capacity for all: it compiles once per mode and refill bucket. Rows
     are padded to a multiple of `seq_multiple` tokens. Finished answers are
     saved every `save_every_s` seconds under cache_dir: an interrupted run
@@ -107,7 +109,7 @@ def generate_sequences(
     longest = max(map(len, prompts))
     width = -(-(longest + gen_tokens) // seq_multiple) * seq_multiple
     capacity = bucket(longest + gen_tokens)
-    static = sharding.data_size(target.mesh) > 1  # refilled rows need one batch placement for a few rows
+    static = static_batches or sharding.data_size(target.mesh) > 1  # refilled rows: one batch placement
     rows_per_refill = 0 if static else refill_rows or max(1, batch_size // 8)
     key = hashlib.sha1(json.dumps({
         "target": params_fingerprint(target.params), "eos": list(target.eos_ids),
