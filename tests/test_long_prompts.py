@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from spec_helpers import tiny_pair
-from taps_jax.decoder import DEFAULT_MODEL_DIR, SpeculativeDecoder, load_model_set
+from taps_jax.decoder import SpeculativeDecoder, load_model_set
 from taps_jax.engine.ar import DecodeConfig
 from taps_jax.engine.batching import pad_batch
 from taps_jax.engine.prefill import prefill
@@ -119,12 +119,13 @@ def test_blockwise_attention_equals_dense(monkeypatch):
         np.testing.assert_allclose(np.asarray(out)[b, rows], np.asarray(want)[rows], atol=TOL, rtol=TOL)
 
 
-# --------------------------------------------------------------------------- real lengths, embedded set
+# --------------------------------------------------------------------------- real lengths, the lite set
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load_model_set(DEFAULT_MODEL_DIR)
+def models(lite_set_dir):
+    """The default set cut to a 2-layer target (conftest): real text and vocabulary at a third of the compile."""
+    return load_model_set(lite_set_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,8 @@
-"""Ahead-of-time compile, one decode per prompt, and streaming (same tokens as one generate)."""
+"""Ahead-of-time compile, one decode per prompt, and streaming (same tokens as one generate).
+
+Everything here runs on the lite set (conftest `lite_set_dir`: the default set cut to a 2-layer target): what
+is tested is the engine's streaming and compiling, not how well the shipped set drafts.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +22,33 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:\n    def
 
 
 @pytest.fixture(scope="module")
-def models():
-    return load_model_set(DEFAULT_MODEL_DIR)
+def models(lite_set_dir):
+    return load_model_set(lite_set_dir)
+
+
+def test_lite_set_is_the_default_set_cut_to_two_layers(models):
+    """The lite set (conftest) holds the default set's first 2 target layers, its drafter, scorers and table."""
+    import numpy as np
+    from flax import nnx
+
+    default = load_model_set(DEFAULT_MODEL_DIR)  # loading compiles nothing
+    assert models.target.config == default.target.config.replace(num_layers=2)
+    assert models.drafter.config == default.drafter.config.replace(num_target_layers=2, target_layer_ids=(0, 1))
+    lite, full = nnx.to_pure_dict(models.target.params), nnx.to_pure_dict(default.target.params)
+    assert sorted(lite["layers"]) == [0, 1]
+    for a, b in zip(jax.tree.leaves({**lite, "layers": None}), jax.tree.leaves({**full, "layers": None})):
+        np.testing.assert_array_equal(a, b)  # embedding, final norm
+    for i in (0, 1):
+        for a, b in zip(jax.tree.leaves(lite["layers"][i]), jax.tree.leaves(full["layers"][i])):
+            np.testing.assert_array_equal(a, b)
+    D = models.drafter.config.hidden_size
+    fc, full_fc = (np.asarray(m.drafter.module.fc.kernel.get_value()) for m in (models, default))  # [in, out]
+    assert fc.shape == (2 * D, D)
+    np.testing.assert_array_equal(fc[D:], full_fc[:D])  # tap 1: the block that read layer 1, which is unchanged
+    np.testing.assert_array_equal(fc[:D], full_fc[D:2 * D])  # tap 0: the block that read layer 3
+    assert models.target.tokenizer.encode(PROMPTS[1]) == default.target.tokenizer.encode(PROMPTS[1])
+    assert models.scorer.config == default.scorer.config and models.greedy_scorer.config == default.greedy_scorer.config
+    assert models.table is not None and models.table.budgets == default.table.budgets
 
 
 @pytest.mark.parametrize("policy", ["ar", "ddtree", "taps"])
@@ -39,6 +68,8 @@ def test_stream_ends_with_generate_and_only_grows(models, policy, temperature):
     assert last.tokens == whole.tokens and last.texts == whole.texts
     assert last.finish_reasons == whole.finish_reasons
     assert last.stats == whole.stats
+    if temperature == 0:  # greedy speculative decoding is lossless on this set too: AR's tokens
+        assert whole.tokens == models.target.generate(PROMPTS, 24).tokens
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -89,7 +120,7 @@ def _cli(args, capsys):
     return capsys.readouterr()
 
 
-def test_cli_decodes_once_compiled_ahead_of_time(monkeypatch, capsys):
+def test_cli_decodes_once_compiled_ahead_of_time(lite_set_dir, monkeypatch, capsys):
     """`taps-decode --prompt` runs the compiled executable once and never the jitted program itself."""
     real = decoder_module.spec_generate
     runs = []
@@ -109,14 +140,16 @@ def test_cli_decodes_once_compiled_ahead_of_time(monkeypatch, capsys):
 
     monkeypatch.setattr(decoder_module, "spec_generate", OnlyAheadOfTime())
     monkeypatch.setattr(GenerateCall, "run", counted_run)
-    _, err = _cli(["--prompt", "def fibonacci(n):", "--max-new-tokens", "24", "--stats"], capsys)
+    _, err = _cli(["--model", str(lite_set_dir), "--prompt", "def fibonacci(n):", "--max-new-tokens", "24",
+                   "--stats"], capsys)
     assert runs == [1]
     assert "compile_s=" in err and "decode_s=" in err and "tau=" in err
 
 
 @pytest.mark.parametrize("policy", ["ddtree", "ar"])
-def test_cli_stream_prints_what_the_plain_command_prints(policy, capsys):
-    args = ["--prompt", "class Stack:\n    def push(self, item):", "--max-new-tokens", "40", "--policy", policy]
+def test_cli_stream_prints_what_the_plain_command_prints(lite_set_dir, policy, capsys):
+    args = ["--model", str(lite_set_dir), "--prompt", "class Stack:\n    def push(self, item):",
+            "--max-new-tokens", "40", "--policy", policy]
     plain = _cli(args, capsys).out
     streamed, err = _cli(args + ["--stream", "--stats"], capsys)
     assert streamed == plain and plain.startswith("class Stack:")
