@@ -185,6 +185,35 @@ def test_static_batches_answer_as_refilled_rows_do(tmp_path, monkeypatch):
     assert meta["refill_rows"] == 0 and meta["tokens_per_s"] > 0
 
 
+def test_packed_answers_spare_a_new_machine_the_generation(tmp_path, monkeypatch):
+    """pack_answers -> unpack_answers on another cache dir: generate_sequences then finds the same answers by
+    their key and generates nothing; answers to other prompts are not picked up."""
+    from train import distill_data
+
+    target = tiny_target()
+    ps = prompts(6, seed=3)
+    made = D.generate_sequences(target, ps, 16, batch_size=4, greedy_fraction=0.5, temperature=1.0,
+                                cache_dir=tmp_path / "a")
+    packed = distill_data.pack_answers(tmp_path / "a", tmp_path / "committed")
+    assert [p.name for p in packed] == [f"{d.name}.npz" for d in (tmp_path / "a").glob("train-*")]
+    assert distill_data.pack_answers(tmp_path / "a", tmp_path / "committed") == []  # kept, not rewritten
+    assert [p.name for p in distill_data.unpack_answers(tmp_path / "committed", tmp_path / "b")] == \
+        [p.stem for p in packed]
+    monkeypatch.setattr("taps_jax.calls.refilled", lambda *a, **k: pytest.fail("the packed answers were not used"))
+    again = D.generate_sequences(target, ps, 16, batch_size=4, greedy_fraction=0.5, temperature=1.0,
+                                 cache_dir=tmp_path / "b")
+    for name in ("tokens", "prompt_lens", "lengths"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(made, name))
+    assert json.loads(next((tmp_path / "b").glob("train-*/meta.json")).read_text())["sequences"] == 6
+    with pytest.raises(BaseException, match="packed answers were not used"):  # other prompts: other key
+        D.generate_sequences(target, ps[:5], 16, batch_size=4, greedy_fraction=0.5, temperature=1.0,
+                             cache_dir=tmp_path / "b")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "train-0123456789ab.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a packed answer set"):
+        distill_data.unpack_answers(tmp_path / "bad", tmp_path / "c")
+
+
 def test_an_interrupted_generation_continues_with_the_unanswered_prompts(tmp_path, monkeypatch):
     """Answers are saved as rows finish (continuous batching); a rerun decodes only the prompts left, and every
     greedy answer is the batch-1 AR one, whichever row it ran in."""

@@ -11,7 +11,10 @@ resumes from its own checkpoints when interrupted (rerun the same command):
   prompts   train.instructions prompts, rendered by the      -> WORK/prompts_{train,validation,traces,heldout}.jsonl
             target's chat template
   drafter   DFlash distillation on the target's own answers   -> WORK/distill/export/
-            (configs/train/drafter_<preset>.json)
+            (configs/train/drafter_<preset>.json); starts from
+            the set's committed answers where they match
+  answers   the finished answers as token ids, to commit      -> configs/sets/<answers>/*.npz
+            (a new machine skips their generation)
   traces    TAPS traces on the traces split (refused if it    -> WORK/traces/
             overlaps the distillation prompts)
   scorer    TAPS scorers: temperature-1 and greedy labels     -> WORK/scorer_train/, WORK/scorer_greedy_train/
@@ -39,9 +42,10 @@ from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
 from taps_jax.tree.lookup import LOOKUP_FILE
 
+from train import distill_data
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
-STAGES = ("prompts", "drafter", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
+STAGES = ("prompts", "drafter", "answers", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
 SPLITS = ("train", "validation", "traces", "heldout")
 SET_DIR = CONFIGS_DIR / "sets"
 
@@ -59,6 +63,7 @@ class SetSpec:
     report: dict  # {"prompts", "num_prompts", "budgets", "max_new_tokens"}
     adaptive: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
     lookup: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
+    answers: str = ""  # the drafter's generated answers as token ids (to commit): a name under configs/sets/, or a path
     comment: str = ""
 
     @classmethod
@@ -93,6 +98,11 @@ class SetSpec:
                 raise ValueError(f"the shipped set {self.target!r} has no target")
             return path
         return Path(self.target)
+
+    def answers_dir(self) -> Path | None:
+        if not self.answers:
+            return None
+        return SET_DIR / self.answers if len(Path(self.answers).parts) == 1 else Path(self.answers)
 
     def assets_dir(self) -> Path:
         return ASSETS / self.assets if len(Path(self.assets).parts) == 1 else Path(self.assets)
@@ -142,8 +152,18 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         if not _done(work / "distill" / "export" / "config.json", name):
             from train import distill
 
+            if spec.answers_dir() is not None and spec.answers_dir().is_dir():
+                for got in distill_data.unpack_answers(spec.answers_dir(), work / "distill" / "data"):
+                    print(f"[recipe] {name}: answers from {spec.answers_dir() / got.name}.npz", flush=True)
             config, = stage_configs(name, spec, work)
             _run(distill, config, name)
+    elif name == "answers":
+        if spec.answers_dir() is None:
+            print(f"[recipe] {name}: skipped (the set names no answers directory)", flush=True)
+        else:
+            packed = distill_data.pack_answers(work / "distill" / "data", spec.answers_dir())
+            print(f"[recipe] {name}: {len(packed)} new answer sets in {spec.answers_dir()}"
+                  + "".join(f"\n  {p.name} ({p.stat().st_size / 1e6:.2f} MB)" for p in packed), flush=True)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
             from train import traces
