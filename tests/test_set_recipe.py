@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -29,6 +30,7 @@ def tiny_set(tmp_path):
     (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     spec = {
         "target": str(target), "assets": str(tmp_path / "assets"), "drafter_preset": "tiny",
+        "answers": str(tmp_path / "answers"),
         "prompts": {"seed": 0, "max_prompt_tokens": 400,
                     "counts": {"train": 16, "validation": 4, "traces": 3, "heldout": 2}},
         "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3, "pool_width": 4},
@@ -44,8 +46,14 @@ def tiny_set(tmp_path):
 
 def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     spec, work = tiny_set(tmp_path), tmp_path / "work"
-    argv = ["--set", str(spec), "--work", str(work), "--stages", "prompts,drafter,traces,scorer,lookup,adaptive,assemble"]
+    argv = ["--set", str(spec), "--work", str(work), "--stages",
+            "prompts,drafter,answers,traces,scorer,lookup,adaptive,assemble"]
     assert set_recipe.main(argv) == 0
+    packed = sorted((tmp_path / "answers").glob("*.npz"))  # the answers to commit: the drafter's data cache
+    assert [p.name.split("-")[0] for p in packed] == ["train", "validation"]
+    for p in packed:
+        with np.load(p) as z:
+            np.testing.assert_array_equal(z["tokens"], np.load(work / "distill" / "data" / p.stem / "tokens.npy"))
     prompts = {s: [json.loads(line) for line in (work / f"prompts_{s}.jsonl").open()] for s in set_recipe.SPLITS}
     assert all(r["prompt"].startswith("### user:\n") for rows in prompts.values() for r in rows)
     ids = {s: {r["id"] for r in rows} for s, rows in prompts.items()}

@@ -232,9 +232,23 @@ def test_no_restorable_checkpoint_says_how_to_fix(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]  # nothing deleted
 
 
+def test_metrics_from_before_cpu_time_resume_with_it_blank(tmp_path):
+    """A metrics.csv written before the cpu_s column (2026-12-04) keeps its rows on resume; new rows log it."""
+    old = ["step,split,loss,lr,grad_norm,tokens_per_s,elapsed_s", "1,train,4.1,1e-3,1.0,100,0.5",
+           "1,val,3.9,1e-3,,,1.2"]
+    (tmp_path / "metrics.csv").write_text("\n".join(old) + "\n")
+    log = loop.MetricsLog(tmp_path, resume_step=1)
+    assert [(r["step"], r["split"], r["elapsed_s"], r["cpu_s"]) for r in log.rows] == [
+        ("1", "train", "0.5", ""), ("1", "val", "1.2", "")]
+    log.add(step=2, split="train", loss="3.8", elapsed_s="2.0", cpu_s="3.5")
+    with (tmp_path / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["cpu_s"]) for r in rows] == [("1", ""), ("1", ""), ("2", "3.5")]
+
+
 def test_torn_metrics_row_is_dropped_on_resume(tmp_path):
     header = ",".join(loop.FIELDS)
-    good = ["1,train,4.1,1e-3,1.0,100,0.5", "2,train,4.0,1e-3,1.0,100,1.0", "2,val,3.9,1e-3,,,1.2"]
+    good = ["1,train,4.1,1e-3,1.0,100,0.5,0.9", "2,train,4.0,1e-3,1.0,100,1.0,1.8", "2,val,3.9,1e-3,,,1.2,2.1"]
     (tmp_path / "metrics.csv").write_text("\n".join([header, *good, "3,train,3.8,1e-3,1.0,100,1"]))  # killed mid-row
 
     log = loop.MetricsLog(tmp_path, resume_step=5)

@@ -32,7 +32,8 @@ running step k gives bit-identical results to an uninterrupted run.
 Outputs under `out_dir`:
     checkpoints/<step>/   orbax CheckpointManager, keeps the last `keep`
     best/<step>/          params of the best validation loss (keeps 1)
-    metrics.csv           step,split,loss,lr,grad_norm,tokens_per_s,elapsed_s
+    metrics.csv           step,split,loss,lr,grad_norm,tokens_per_s,elapsed_s,cpu_s (wall and process CPU
+                          seconds of training so far, all legs)
     loss.png              train/val loss curves (redrawn at each eval)
 
 Faults (tests/test_train_faults.py): a run killed at any point (SIGKILL
@@ -345,7 +346,7 @@ def _shorten(text: str, limit: int = 300) -> str:
 # --------------------------------------------------------------------------- metrics log
 
 
-FIELDS = ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+FIELDS = ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "cpu_s")
 
 
 class MetricsLog:
@@ -359,8 +360,10 @@ class MetricsLog:
             text = self.csv_path.read_text()
             if not text.endswith("\n"):  # a kill mid-append tore the last row: drop it
                 text = text[: text.rfind("\n") + 1]
-            rows = [r for r in csv.DictReader(io.StringIO(text, newline=""))
-                    if _complete(r) and int(r["step"]) <= resume_step]
+            reader = csv.DictReader(io.StringIO(text, newline=""))
+            old = {k: "" for k in FIELDS if k not in (reader.fieldnames or ())}  # cpu_s: logged since 2026-12-04
+            rows = [{**r, **old} for r in reader]
+            rows = [r for r in rows if _complete(r) and int(r["step"]) <= resume_step]
         self.rows = rows
         # Rewritten whole and renamed into place: a kill here leaves the old file, not half of it.
         tmp = self.csv_path.with_suffix(".csv.tmp")
@@ -480,6 +483,11 @@ def run(
     start = int(state.step)
     log = MetricsLog(out_dir, start if resume else None)
     elapsed0 = float(log.rows[-1]["elapsed_s"] or 0) if log.rows else 0.0  # wall time of earlier legs
+    cpu0 = float(log.rows[-1]["cpu_s"] or 0) if log.rows else 0.0  # their process CPU time (all threads)
+
+    def clocks() -> dict:
+        return {"elapsed_s": f"{elapsed0 + time.perf_counter() - t0:.1f}",
+                "cpu_s": f"{cpu0 + time.process_time() - c0:.1f}"}
 
     def checkpoint():
         ckpt.save(state, {**meta, "step": int(state.step), "best_val": best_val, "best_step": best_step})
@@ -487,8 +495,7 @@ def run(
     def do_eval(step: int):
         nonlocal best_val, best_step
         val = float(evaluate(state.params, step)["loss"])
-        log.add(step=step, split="val", loss=f"{val:.5f}", lr=f"{_lr_at(optim, step):.3e}",
-                elapsed_s=f"{elapsed0 + time.perf_counter() - t0:.1f}")
+        log.add(step=step, split="val", loss=f"{val:.5f}", lr=f"{_lr_at(optim, step):.3e}", **clocks())
         mark = ""
         if val < best_val:
             best_val, best_step = val, step
@@ -513,6 +520,7 @@ def run(
         for sig in (signal.SIGTERM, signal.SIGINT):
             old_handlers[sig] = signal.signal(sig, _request_stop)
     t0 = t_log = t_ckpt = time.perf_counter()
+    c0 = time.process_time()
     pending: list[dict] = []
     interactive = sys.stderr.isatty()
     bar = tqdm(total=config.total_steps, initial=start, desc=desc, unit="step", dynamic_ncols=True,
@@ -532,7 +540,7 @@ def run(
                 gnorm = float(np.mean([m["grad_norm"] for m in got]))
                 lr = _lr_at(optim, step)
                 log.add(step=done, split="train", loss=f"{loss:.5f}", lr=f"{lr:.3e}", grad_norm=f"{gnorm:.4f}",
-                        tokens_per_s=f"{tok_s:.0f}", elapsed_s=f"{elapsed0 + now - t0:.1f}")
+                        tokens_per_s=f"{tok_s:.0f}", **clocks())
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}", refresh=False)
                 if not interactive:
                     tqdm.write(f"step {done:6d}  loss {loss:.4f}  gnorm {gnorm:.3f}  lr {lr:.2e}  "
