@@ -249,6 +249,13 @@ def models():
     return load_model_set(DEFAULT_MODEL_DIR)
 
 
+@pytest.fixture(scope="module")
+def lite_models(lite_set_dir):
+    """The default set cut to a 2-layer target (conftest), with the same adaptive table: for the tests whose
+    property is the decoder's schedule and bookkeeping, not how many tokens the shipped drafter gets accepted."""
+    return load_model_set(lite_set_dir)
+
+
 def test_mixed_batch_repeating_and_random_text_is_lossless(models):
     """One sequence loops (drafts accepted), the other is noise (drafts rejected): one branch per round for both."""
     tok = models.target.tokenizer
@@ -386,15 +393,15 @@ def test_a_probe_that_changes_nothing_backs_off_even_at_a_calls_first_round():
     assert int(update(fresh, k, probe, jnp.asarray([[1, 2]]), running, q, costs, config).backoff) == 0
 
 
-def test_the_probe_schedule_runs_across_calls(models, shipped_table):
+def test_the_probe_schedule_runs_across_calls(lite_models, shipped_table):
     """carry_clock: calls too short to reach a probe on their own still probe, at the pace of the decoder's whole
     life: each call's AR steps add to the cost spent, and the call that reaches the wait probes where it is due."""
     config = AdaptiveConfig.for_budget(16, carry_clock=True)
     _, dear = _dear_costs(shipped_table, config)
     wait = dear[-1] / config.probe_fraction  # about 20 x 1.2 x 8 AR steps: several 24-token calls
-    dec = models.decoder("adaptive", 16, costs=dear, adaptive=config)
-    prompt = [models.target.tokenizer.encode("def area(width, height):\n")]
-    want = models.target.generate(prompt, 24).tokens
+    dec = lite_models.decoder("adaptive", 16, costs=dear, adaptive=config)
+    prompt = [lite_models.target.tokenizer.encode("def area(width, height):\n")]
+    want = lite_models.target.generate(prompt, 24).tokens
     spent, before = 0.0, spec_generate._cache_size()
     while spent + 24 < wait:  # no probe due within the call: the AR program, 23 AR steps spent
         got = dec.generate(prompt, 24)
@@ -409,17 +416,17 @@ def test_the_probe_schedule_runs_across_calls(models, shipped_table):
     again = dec.generate(prompt, 24)
     assert again.tokens == want and again.stats["budgets"] == [0] * 23
     # The default restarts the clock with each call: calls this short never reach a probe.
-    dec = models.decoder("adaptive", 16, costs=dear)
+    dec = lite_models.decoder("adaptive", 16, costs=dear)
     for _ in range(int(wait // 23) + 2):
         assert dec.generate(prompt, 24).stats["budgets"] == [0] * 23
 
 
-def test_fit_counts_every_round(models):
+def test_fit_counts_every_round(lite_models):
     from train.adaptive_table import fit_kind
 
     budgets = (0, 2, 8)
-    prompts = [[5, 6, 7, 8], models.target.tokenizer.encode("x = 1\ny = 2\n" * 4)]
-    sums, counts = fit_kind(models, prompts, 16, 0.0, budgets, batch_size=2)
+    prompts = [[5, 6, 7, 8], lite_models.target.tokenizer.encode("x = 1\ny = 2\n" * 4)]
+    sums, counts = fit_kind(lite_models, prompts, 16, 0.0, budgets, batch_size=2)
     assert counts.shape == (9, 3) and (counts[:, 0] == 0).all()
     assert counts[:, 1].sum() == counts[:, 2].sum() > 0  # every round observes every budget up to the largest
     assert (sums[:, 2] >= sums[:, 1]).all() and (sums[:, 1] >= counts[:, 1]).all()
