@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         clock = {"cpu": "cpu_s", "wall": "elapsed_s"}[args.clock]
-        curves = {run.name: [p for p in curve(run, clock) if args.until_hours is None or p["hours"] <= args.until_hours]
-                  for run in args.runs}
+        until = float("inf") if args.until_hours is None else args.until_hours
+        curves = {run.name: [pt for pt in curve(run, clock) if pt["hours"] <= until] for run in args.runs}
         if not all(curves.values()):
             empty = next(name for name, points in curves.items() if not points)
             raise ValueError(f"{empty}: no validation rows yet (val_agreement.csv is empty)")

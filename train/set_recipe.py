@@ -42,7 +42,6 @@ from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
 from taps_jax.tree.lookup import LOOKUP_FILE
 
-from train import distill_data
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
 STAGES = ("prompts", "drafter", "answers", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
@@ -152,17 +151,23 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         if not _done(work / "distill" / "export" / "config.json", name):
             from train import distill
 
-            if spec.answers_dir() is not None and spec.answers_dir().is_dir():
-                for got in distill_data.unpack_answers(spec.answers_dir(), work / "distill" / "data"):
-                    print(f"[recipe] {name}: answers from {spec.answers_dir() / got.name}.npz", flush=True)
+            from train.distill_data import unpack_answers
+
+            answers = spec.answers_dir()
+            if answers is not None and answers.is_dir():
+                for got in unpack_answers(answers, work / "distill" / "data"):
+                    print(f"[recipe] {name}: answers from {answers / got.name}.npz", flush=True)
             config, = stage_configs(name, spec, work)
             _run(distill, config, name)
     elif name == "answers":
-        if spec.answers_dir() is None:
+        answers = spec.answers_dir()
+        if answers is None:
             print(f"[recipe] {name}: skipped (the set names no answers directory)", flush=True)
         else:
-            packed = distill_data.pack_answers(work / "distill" / "data", spec.answers_dir())
-            print(f"[recipe] {name}: {len(packed)} new answer sets in {spec.answers_dir()}"
+            from train.distill_data import pack_answers
+
+            packed = pack_answers(work / "distill" / "data", answers)
+            print(f"[recipe] {name}: {len(packed)} new answer sets in {answers}"
                   + "".join(f"\n  {p.name} ({p.stat().st_size / 1e6:.2f} MB)" for p in packed), flush=True)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
