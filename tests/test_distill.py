@@ -364,6 +364,30 @@ def test_init_from_target_copies_its_last_layers():
                                                          intermediate_size=32), nnx.Rngs(1)), target)
 
 
+def test_a_new_leg_starts_from_an_exported_drafter(setup, trained, tmp_path, capsys):
+    target, seqs = setup
+    out, (graphdef, buffers), result = trained
+    drafter = tiny_drafter(target, seed=7, draft_vocab_size=DRAFT_VOCAB)
+    ids = D.init_from_drafter(drafter, out / "export")
+    got, want = nnx.to_flat_state(nnx.state(drafter, nnx.Param)), dict(nnx.to_flat_state(result.best_params))
+    assert len(got) == len(want)
+    for path, var in got:
+        np.testing.assert_array_equal(var.get_value(), want[path].get_value(), str(path))
+    np.testing.assert_array_equal(ids, json.loads((out / D.DRAFT_VOCAB).read_text())["ids"])
+    # The leg keeps the ids it was given (not refitted on its own data), and saves them for resume and export.
+    given = np.arange(3, 3 + DRAFT_VOCAB, dtype=np.int32)
+    assert D.draft_vocab(tmp_path, seqs, seqs, drafter.config, "continuation", given).tolist() == given.tolist()
+    assert "the starting drafter's" in capsys.readouterr().out
+    assert json.loads((tmp_path / D.DRAFT_VOCAB).read_text())["ids"] == given.tolist()
+    with pytest.raises(ValueError, match=r"draft_vocab_size 16 \(this run: None\)"):
+        D.init_from_drafter(tiny_drafter(target), out / "export")
+    with pytest.raises(ValueError, match="num_layers 1 \\(this run: 2\\)"):
+        D.init_from_drafter(Drafter(D.make_drafter_config(target.config, num_layers=2, block_size=KB,
+                                                          target_layer_ids=(0, 1), mask_token_id=MASK,
+                                                          draft_vocab_size=DRAFT_VOCAB), nnx.Rngs(0)),
+                            out / "export")
+
+
 # --------------------------------------------------------------------------- export and decoding
 
 

@@ -30,7 +30,7 @@ def tiny_set(tmp_path):
     (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     spec = {
         "target": str(target), "assets": str(tmp_path / "assets"), "drafter_preset": "tiny",
-        "answers": str(tmp_path / "answers"),
+        "answers": str(tmp_path / "answers"), "drafter_legs": ["tiny"], "drafter_state": str(tmp_path / "state"),
         "prompts": {"seed": 0, "max_prompt_tokens": 400,
                     "counts": {"train": 16, "validation": 4, "traces": 3, "heldout": 2}},
         "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3, "pool_width": 4},
@@ -47,8 +47,17 @@ def tiny_set(tmp_path):
 def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     spec, work = tiny_set(tmp_path), tmp_path / "work"
     argv = ["--set", str(spec), "--work", str(work), "--stages",
-            "prompts,drafter,answers,traces,scorer,lookup,adaptive,assemble"]
+            "prompts,drafter,answers,state,traces,scorer,lookup,adaptive,assemble"]
     assert set_recipe.main(argv) == 0
+    # Two legs: the second starts from the first's drafter; the state holds the second's, as the set ships it.
+    leg2 = json.loads((work / "distill-2" / "run.json").read_text())
+    assert leg2["settings"]["drafter"]["init_drafter"] == str(work / "distill" / "export")
+    assert (work / "distill-2" / "data").resolve() == (work / "distill" / "data").resolve()
+    legs = json.loads((tmp_path / "state" / set_recipe.LEGS_FILE).read_text())["legs"]
+    assert [r["leg"] for r in legs] == [1, 2] and all(r["validation"] and r["cpu_s"] > 0 for r in legs)
+    assert legs[1]["settings"]["drafter"]["init_drafter"] is None  # the preset's, not this run's start
+    shipped = (tmp_path / "assets" / "drafter" / "model.safetensors").read_bytes()
+    assert (tmp_path / "state" / "model.safetensors").read_bytes() == shipped  # one blob in git
     packed = sorted((tmp_path / "answers").glob("*.npz"))  # the answers to commit: the drafter's data cache
     assert [p.name.split("-")[0] for p in packed] == ["train", "validation"]
     for p in packed:
@@ -73,8 +82,23 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     capsys.readouterr()
     assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer,lookup,adaptive"]) == 0
     out = capsys.readouterr().out
-    # 4 prompt splits, drafter, traces, 2 scorers, lookup, table
-    assert out.count("skipped") == 10 and "running" not in out
+    # 4 prompt splits, 2 drafter legs, traces, 2 scorers, lookup, table
+    assert out.count("skipped") == 11 and "running" not in out
+    # A new machine: both legs are the committed state's, so nothing trains and the later stages read the state.
+    fresh = tmp_path / "fresh"
+    assert set_recipe.main(argv[:2] + ["--work", str(fresh), "--stages", "drafter,state"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the committed state") == 2 and "running" not in out and "nothing newer" in out
+    assert set_recipe.drafter_export(set_recipe.SetSpec.read(str(spec)), fresh) == tmp_path / "state"
+    # A third leg starts from the state, not from a replay of the first two.
+    raw = json.loads(spec.read_text())
+    raw["drafter_legs"] = ["tiny", "tiny"]
+    spec.write_text(json.dumps(raw))
+    leg3 = set_recipe.stage_configs("drafter", set_recipe.SetSpec.read(str(spec)), fresh)[2]
+    assert leg3.settings.drafter.init_drafter == str(tmp_path / "state") and leg3.out == fresh / "distill-3"
+    raw["drafter_legs"] = []  # another chain: the state's two legs are not this set's
+    spec.write_text(json.dumps(raw))
+    assert set_recipe.committed_legs(set_recipe.SetSpec.read(str(spec))) == 0
 
 
 def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):

@@ -231,6 +231,10 @@ class DrafterSpec:
               "vocabulary)")
     init_from_target: bool = option(False, "start the drafter's layers and final norm as copies of the target's "
                                            "last layers and final norm (default: random)")
+    init_drafter: str | None = option(
+        None, "start from an exported drafter's weights (a DFlash-layout dir, e.g. a set's shipped drafter): the "
+              "next leg of a training that spans sessions, with a fresh optimizer and its own warmup; the drafter "
+              "settings must be the ones it was trained with, and its draft vocabulary is kept", metavar="DIR")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,23 +512,41 @@ def init_from_target(drafter: Drafter, target) -> None:
     drafter.norm.weight.set_value(target.norm.weight.get_value().astype(drafter.norm.weight.dtype))
 
 
+def init_from_drafter(drafter: Drafter, path: Path) -> np.ndarray | None:
+    """The drafter starts as the exported drafter at `path` (weights and draft vocabulary), which must have the
+    same config (dtype aside); refused before any work otherwise. Returns its draft vocabulary ids (None: the
+    whole vocabulary)."""
+    from taps_jax.checkpoints.dflash import load_drafter_module, read_drafter_config
+
+    theirs, mine = read_drafter_config(path, drafter.config.dtype), drafter.config
+    differ = [f"{f.name} {getattr(theirs, f.name)!r} (this run: {getattr(mine, f.name)!r})"
+              for f in dataclasses.fields(mine) if getattr(theirs, f.name) != getattr(mine, f.name)]
+    if differ:
+        raise ValueError(f"--init-drafter {path}: that drafter was trained with other settings: {'; '.join(differ)}; "
+                         f"train with the settings it was trained with (preset or flags), or start without it")
+    source, _ = load_drafter_module(path, mine.dtype)
+    nnx.update(drafter, nnx.state(source))
+    return None if mine.draft_vocab_size is None else np.asarray(jax.device_get(source.draft_vocab[...]), np.int32)
+
+
 DRAFT_VOCAB = "draft_vocab.json"  # in the training dir: the fitted ids, reused on resume and export
 
 
 def draft_vocab(out: Path, train_seqs: Sequences, val_seqs: Sequences | None, dcfg: DrafterConfig,
-                region: str) -> np.ndarray:
-    """The run's draft vocabulary: read back from OUT (a resumed run keeps its ids), else fitted on the training
-    labels, printed with its coverage and saved there."""
+                region: str, given: np.ndarray | None = None) -> np.ndarray:
+    """The run's draft vocabulary: read back from OUT (a resumed run keeps its ids), else `given` (the ids of
+    the drafter it starts from) or fitted on the training labels; printed with its coverage and saved there."""
     K = dcfg.draft_vocab_size
     if (out / DRAFT_VOCAB).is_file():
         return read_draft_vocab(out, K)
-    ids = fit_draft_vocab(train_seqs, K, dcfg.vocab_size, region)
+    ids = fit_draft_vocab(train_seqs, K, dcfg.vocab_size, region) if given is None else given
     train_cov, distinct = vocab_coverage(train_seqs, ids, region)
     val_cov = vocab_coverage(val_seqs, ids, region)[0] if val_seqs is not None and len(val_seqs) else None
     n = len(label_tokens(train_seqs, region))
     shown = f", validation {val_cov:.2%}" if val_cov is not None else ""
-    print(f"draft vocabulary: the {K:,} ids the {n:,} training label tokens use most ({distinct:,} distinct); "
-          f"coverage: train {train_cov:.2%}{shown}", flush=True)
+    which = "the starting drafter's" if given is not None else "the"
+    print(f"draft vocabulary: {which} {K:,} ids (of those the {n:,} training label tokens use, {distinct:,} "
+          f"distinct, most); coverage: train {train_cov:.2%}{shown}", flush=True)
     tmp = out / (DRAFT_VOCAB + ".tmp")
     tmp.write_text(json.dumps({"size": K, "coverage": {"train": train_cov, "validation": val_cov},
                                "distinct_label_ids": distinct, "ids": ids.tolist()}))
@@ -578,6 +600,12 @@ def run(config: DistillRun, mesh=None) -> Path | None:
         draft_vocab_size=d.draft_vocab,
     )
     drafter = Drafter(dcfg, nnx.Rngs(config.seed))
+    init_ids = None
+    if d.init_drafter is not None and not args.export_only:
+        if d.init_from_target:
+            raise ValueError("--init-drafter and --init-from-target both say where the drafter starts; give one")
+        init_ids = init_from_drafter(drafter, Path(d.init_drafter))
+        print(f"drafter: starting from the weights of {d.init_drafter}", flush=True)
     if d.init_from_target:
         init_from_target(drafter, target.model)
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param))))
@@ -649,7 +677,7 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     }, indent=2, default=str))
 
     if dcfg.draft_vocab_size is not None:
-        drafter.set_draft_vocab(draft_vocab(args.out, train_seqs, val_seqs, dcfg, config.anchor_region))
+        drafter.set_draft_vocab(draft_vocab(args.out, train_seqs, val_seqs, dcfg, config.anchor_region, init_ids))
     graphdef, _, buffers = nnx.split(drafter, nnx.Param, ...)
     result = distill(target, drafter, train_seqs, val_seqs, args.out, config, optim, resume=args.resume, mesh=mesh,
                      meta={"preset": args.preset})

@@ -10,11 +10,19 @@ resumes from its own checkpoints when interrupted (rerun the same command):
 
   prompts   train.instructions prompts, rendered by the      -> WORK/prompts_{train,validation,traces,heldout}.jsonl
             target's chat template
-  drafter   DFlash distillation on the target's own answers   -> WORK/distill/export/
+  drafter   DFlash distillation on the target's own answers   -> WORK/distill/export/ (leg k > 1: WORK/distill-k/)
             (configs/train/drafter_<preset>.json); starts from
-            the set's committed answers where they match
+            the set's committed answers where they match. A
+            training that spans sessions is a chain of legs
+            ("drafter_legs": each starts from the previous
+            leg's drafter); legs the committed drafter state
+            has finished are not trained again
   answers   the finished answers as token ids, to commit      -> configs/sets/<answers>/*.npz
             (a new machine skips their generation)
+  state     the last finished leg's drafter in bfloat16, with -> configs/sets/<drafter_state>/ (+ legs.json)
+            each leg's settings and validation curve: a new
+            machine starts the next leg (or the later stages)
+            from it
   traces    TAPS traces on the traces split (refused if it    -> WORK/traces/
             overlaps the distillation prompts)
   scorer    TAPS scorers: temperature-1 and greedy labels     -> WORK/scorer_train/, WORK/scorer_greedy_train/
@@ -30,6 +38,7 @@ resumes from its own checkpoints when interrupted (rerun the same command):
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import shutil
@@ -44,9 +53,10 @@ from taps_jax.tree.lookup import LOOKUP_FILE
 
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
-STAGES = ("prompts", "drafter", "answers", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
+STAGES = ("prompts", "drafter", "answers", "state", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
 SPLITS = ("train", "validation", "traces", "heldout")
 SET_DIR = CONFIGS_DIR / "sets"
+LEGS_FILE = "legs.json"  # in the drafter state: what each finished leg was trained with, and its curve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,8 @@ class SetSpec:
     adaptive: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
     lookup: dict = dataclasses.field(default_factory=dict)  # {"num_prompts", "max_new_tokens", "batch_size"}
     answers: str = ""  # the drafter's generated answers as token ids (to commit): a name under configs/sets/, or a path
+    drafter_legs: list = dataclasses.field(default_factory=list)  # presets of the legs after drafter_preset's
+    drafter_state: str = ""  # the last finished leg's drafter (to commit): a name under configs/sets/, or a path
     comment: str = ""
 
     @classmethod
@@ -99,12 +111,59 @@ class SetSpec:
         return Path(self.target)
 
     def answers_dir(self) -> Path | None:
-        if not self.answers:
-            return None
-        return SET_DIR / self.answers if len(Path(self.answers).parts) == 1 else Path(self.answers)
+        return _committed(self.answers)
+
+    def state_dir(self) -> Path | None:
+        return _committed(self.drafter_state)
+
+    def legs(self) -> list[str]:
+        """The drafter presets, in training order: leg 1 from scratch, each later leg from the one before."""
+        return [self.drafter_preset, *self.drafter_legs]
 
     def assets_dir(self) -> Path:
         return ASSETS / self.assets if len(Path(self.assets).parts) == 1 else Path(self.assets)
+
+
+def _committed(name: str) -> Path | None:
+    """A directory the set commits: a name under configs/sets/, or a path ("": none)."""
+    if not name:
+        return None
+    return SET_DIR / name if len(Path(name).parts) == 1 else Path(name)
+
+
+def leg_dir(work: Path, k: int) -> Path:
+    """The training dir of drafter leg k (1-based); every leg reads leg 1's data cache."""
+    return work / "distill" if k == 1 else work / f"distill-{k}"
+
+
+def _leg_settings(preset: str) -> dict:
+    """A leg's settings as JSON would hold them (tuples as lists): what the state's records are compared by."""
+    from train import distill
+
+    return json.loads(json.dumps(dataclasses.asdict(distill.load_preset(preset)), default=str))
+
+
+def committed_legs(spec: SetSpec) -> int:
+    """How many of the set's legs its committed drafter state has finished: all of the state's legs must be
+    the set's first ones, with the same settings (else 0: the state is another chain's drafter)."""
+    state = spec.state_dir()
+    if state is None or not (state / LEGS_FILE).is_file() or not (state / "config.json").is_file():
+        return 0
+    done = json.loads((state / LEGS_FILE).read_text())["legs"]
+    legs = spec.legs()
+    if len(done) > len(legs) or any(r["settings"] != _leg_settings(p) for r, p in zip(done, legs)):
+        print(f"[recipe] drafter: the committed state {state} was trained by other legs than this set's; "
+              f"not used", flush=True)
+        return 0
+    return len(done)
+
+
+def drafter_export(spec: SetSpec, work: Path) -> Path:
+    """The drafter the later stages use: the last leg's export, or the committed state when it finished it."""
+    last = leg_dir(work, len(spec.legs())) / "export"
+    if not (last / "config.json").is_file() and committed_legs(spec) == len(spec.legs()):
+        return spec.state_dir()
+    return last
 
 
 def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
@@ -112,11 +171,20 @@ def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
     from train import distill, scorer, traces
 
     target = spec.target_path()
-    drafter_dir = work / "distill" / "export"
-    if name == "drafter":
-        return [distill.DistillRun(target=target, out=work / "distill", settings=distill.load_preset(spec.drafter_preset),
-                                   prompts=work / "prompts_train.jsonl", val_prompts=work / "prompts_validation.jsonl",
-                                   preset=spec.drafter_preset, resume=True)]
+    if name == "drafter":  # one run per leg; leg k > 1 starts from leg k - 1's drafter (here, or the state's)
+        runs, have = [], committed_legs(spec)
+        for k, preset in enumerate(spec.legs(), 1):
+            settings = distill.load_preset(preset)
+            if k > 1:
+                prev = leg_dir(work, k - 1) / "export"
+                start = prev if (prev / "config.json").is_file() or k - 1 > have else spec.state_dir()
+                settings = dataclasses.replace(
+                    settings, drafter=dataclasses.replace(settings.drafter, init_drafter=str(start)))
+            runs.append(distill.DistillRun(target=target, out=leg_dir(work, k), settings=settings,
+                                           prompts=work / "prompts_train.jsonl",
+                                           val_prompts=work / "prompts_validation.jsonl", preset=preset, resume=True))
+        return runs
+    drafter_dir = drafter_export(spec, work)
     if name == "traces":
         t = dict(spec.traces)
         run = {k: t.pop(k) for k in ("batch_size", "num_prompts") if k in t}
@@ -148,17 +216,26 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
                 print(f"[recipe] prompts ({split}): {len(records)} ({dropped} longer than "
                       f"{p['max_prompt_tokens']} tokens dropped)", flush=True)
     elif name == "drafter":
-        if not _done(work / "distill" / "export" / "config.json", name):
+        legs, have = spec.legs(), committed_legs(spec)
+        for k, config in enumerate(stage_configs(name, spec, work), 1):
+            label = name if len(legs) == 1 else f"{name} (leg {k} of {len(legs)}: {legs[k - 1]})"
+            if k <= have and not (config.out / "export").is_dir():
+                print(f"[recipe] {label}: done (the committed state {spec.state_dir()}), skipped", flush=True)
+                continue
+            if _done(config.out / "export" / "config.json", label):
+                continue
             from train import distill
-
             from train.distill_data import unpack_answers
 
+            data = leg_dir(work, 1) / "data"
             answers = spec.answers_dir()
             if answers is not None and answers.is_dir():
-                for got in unpack_answers(answers, work / "distill" / "data"):
-                    print(f"[recipe] {name}: answers from {answers / got.name}.npz", flush=True)
-            config, = stage_configs(name, spec, work)
-            _run(distill, config, name)
+                for got in unpack_answers(answers, data):
+                    print(f"[recipe] {label}: answers from {answers / got.name}.npz", flush=True)
+            if k > 1 and not (config.out / "data").exists():  # the same answers and tap features as leg 1
+                config.out.mkdir(parents=True, exist_ok=True)
+                (config.out / "data").symlink_to(Path("..") / data.parent.name / "data")
+            _run(distill, config, label)
     elif name == "answers":
         answers = spec.answers_dir()
         if answers is None:
@@ -166,9 +243,15 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         else:
             from train.distill_data import pack_answers
 
-            packed = pack_answers(work / "distill" / "data", answers)
+            packed = pack_answers(leg_dir(work, 1) / "data", answers)
             print(f"[recipe] {name}: {len(packed)} new answer sets in {answers}"
                   + "".join(f"\n  {p.name} ({p.stat().st_size / 1e6:.2f} MB)" for p in packed), flush=True)
+    elif name == "state":
+        state = spec.state_dir()
+        if state is None:
+            print(f"[recipe] {name}: skipped (the set names no drafter_state directory)", flush=True)
+        else:
+            pack_state(spec, work, state)
     elif name == "traces":
         if not _done(work / "traces" / "DONE", name):
             from train import traces
@@ -186,19 +269,64 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
         if not _done(work / LOOKUP_FILE, name):
             from train import lookup_table
 
-            lookup_table.fit_stage(spec.target_path(), work / "distill" / "export", work / "prompts_traces.jsonl",
+            lookup_table.fit_stage(spec.target_path(), drafter_export(spec, work), work / "prompts_traces.jsonl",
                                    work / LOOKUP_FILE, **spec.lookup)
     elif name == "adaptive":
         if not _done(work / TABLE_FILE, name):
             from train import adaptive_table
 
-            adaptive_table.fit_stage(spec.target_path(), work / "distill" / "export",
+            adaptive_table.fit_stage(spec.target_path(), drafter_export(spec, work),
                                      [work / out / "scorer" for out, _ in SCORERS], work / "prompts_traces.jsonl",
                                      work / TABLE_FILE, lookup_file=work / LOOKUP_FILE, **spec.adaptive)
     elif name == "assemble":
         assemble(spec, work, assets)
     elif name == "report":
         report(spec, work, assets)
+
+
+def pack_state(spec: SetSpec, work: Path, state: Path) -> None:
+    """The last finished leg's drafter into `state` in bfloat16 (the bytes `assemble` ships), with legs.json:
+    each finished leg's preset, settings, clocks and validation curve (legs finished before this machine's
+    from the old state's records). Replaced whole, never half-written; nothing new: kept as it is."""
+    from taps_jax.decoder import load_drafter
+    from train.compare_runs import curve
+
+    legs, have = spec.legs(), committed_legs(spec)
+    here = [k for k in range(1, len(legs) + 1) if (leg_dir(work, k) / "export" / "config.json").is_file()]
+    chain = [k for k in here if all(j in here or j <= have for j in range(1, k))]
+    if not chain or chain[-1] <= have:
+        print(f"[recipe] state: nothing newer than {state} ({have} leg(s)), skipped", flush=True)
+        return
+    last = chain[-1]
+    old = json.loads((state / LEGS_FILE).read_text())["legs"] if have else []
+    records = []
+    for k in range(1, last + 1):
+        if k not in here:
+            records.append(old[k - 1])
+            continue
+        run = leg_dir(work, k)
+        points = curve(run, "cpu_s")
+        with (run / "metrics.csv").open(newline="") as f:
+            final = list(csv.DictReader(f))[-1]
+        records.append({"leg": k, "preset": legs[k - 1], "settings": _leg_settings(legs[k - 1]),
+                        "steps": int(final["step"]), "cpu_s": float(final["cpu_s"] or 0),
+                        "elapsed_s": float(final["elapsed_s"]),
+                        "validation": [{"step": p["step"], "acc_1": p["acc_1"], "tau_chain": p["tau_chain"]}
+                                       for p in points]})
+    tmp = state.with_name(state.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    load_drafter(leg_dir(work, last) / "export", dtype="bfloat16").save(tmp)
+    (tmp / LEGS_FILE).write_text(json.dumps({"legs": records}, indent=1))
+    aside = state.with_name(state.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    if state.exists():
+        state.rename(aside)
+    tmp.rename(state)
+    shutil.rmtree(aside, ignore_errors=True)
+    best = records[-1]["validation"][-1] if records[-1]["validation"] else {}
+    print(f"[recipe] state: leg {last} of {len(legs)} ({legs[last - 1]}) in {state}"
+          + (f": validation acc_1 {best['acc_1']:.3f}, chain tau {best['tau_chain']:.2f}" if best else ""),
+          flush=True)
 
 
 def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
@@ -216,7 +344,7 @@ def assemble(spec: SetSpec, work: Path, assets: Path) -> None:
     else:
         (tmp / POINTER).write_text(json.dumps({"path": str(target.resolve()), "sha256": file_sha256(target)}
                                               if target.is_file() else {"path": str(target.resolve())}, indent=2))
-    load_drafter(work / "distill" / "export", dtype="bfloat16").save(tmp / "drafter")
+    load_drafter(drafter_export(spec, work), dtype="bfloat16").save(tmp / "drafter")
     for out, _ in SCORERS:
         scorer_dir = work / out / "scorer"
         if (scorer_dir / "config.json").exists():
