@@ -544,9 +544,9 @@ def draft_vocab(out: Path, train_seqs: Sequences, val_seqs: Sequences | None, dc
     val_cov = vocab_coverage(val_seqs, ids, region)[0] if val_seqs is not None and len(val_seqs) else None
     n = len(label_tokens(train_seqs, region))
     shown = f", validation {val_cov:.2%}" if val_cov is not None else ""
-    which = "the starting drafter's" if given is not None else "the"
-    print(f"draft vocabulary: {which} {K:,} ids (of those the {n:,} training label tokens use, {distinct:,} "
-          f"distinct, most); coverage: train {train_cov:.2%}{shown}", flush=True)
+    which = "the starting drafter's" if given is not None else "the most used"
+    print(f"draft vocabulary: {which} {K:,} ids; the {n:,} training label tokens use {distinct:,} distinct ids; "
+          f"coverage: train {train_cov:.2%}{shown}", flush=True)
     tmp = out / (DRAFT_VOCAB + ".tmp")
     tmp.write_text(json.dumps({"size": K, "coverage": {"train": train_cov, "validation": val_cov},
                                "distinct_label_ids": distinct, "ids": ids.tolist()}))
