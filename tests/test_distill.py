@@ -379,6 +379,8 @@ def test_a_new_leg_starts_from_an_exported_drafter(setup, trained, tmp_path, cap
     assert D.draft_vocab(tmp_path, seqs, seqs, drafter.config, "continuation", given).tolist() == given.tolist()
     assert "the starting drafter's" in capsys.readouterr().out
     assert json.loads((tmp_path / D.DRAFT_VOCAB).read_text())["ids"] == given.tolist()
+    with pytest.raises(ValueError, match="give one"):  # refused as the settings are read, before any model loads
+        D.DrafterSpec(init_drafter=str(out / "export"), init_from_target=True)
     with pytest.raises(ValueError, match=r"draft_vocab_size 16 \(this run: None\)"):
         D.init_from_drafter(tiny_drafter(target), out / "export")
     with pytest.raises(ValueError, match="num_layers 1 \\(this run: 2\\)"):

@@ -236,6 +236,10 @@ class DrafterSpec:
               "next leg of a training that spans sessions, with a fresh optimizer and its own warmup; the drafter "
               "settings must be the ones it was trained with, and its draft vocabulary is kept", metavar="DIR")
 
+    def __post_init__(self):
+        if self.init_drafter is not None and self.init_from_target:
+            raise ValueError("--init-drafter and --init-from-target both say where the drafter starts; give one")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
@@ -602,8 +606,6 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     drafter = Drafter(dcfg, nnx.Rngs(config.seed))
     init_ids = None
     if d.init_drafter is not None and not args.export_only:
-        if d.init_from_target:
-            raise ValueError("--init-drafter and --init-from-target both say where the drafter starts; give one")
         init_ids = init_from_drafter(drafter, Path(d.init_drafter))
         print(f"drafter: starting from the weights of {d.init_drafter}", flush=True)
     if d.init_from_target:
