@@ -21,6 +21,16 @@ import numpy as np
 import pytest
 
 N_CPU_DEVICES = 8
+# The suite compiles with LLVM's backend optimisation off (set here, before JAX starts its CPU backend; the xdist
+# workers and every subprocess inherit it). Most of the suite's time is XLA compiling small programs, and the LLVM
+# passes are a third of that: tests/test_speculative.py alone took 177 s of CPU at XLA's default level and 109 s
+# at 0, run side by side (2026-12-05); the SmolLM2 tests, where the real model's matmuls dominate, took the same
+# (253 vs 243 s). Programs compute the same thing either way (the same HLO; matmuls are library calls); what users
+# run, at XLA's default, is exercised by .ci/wheel_check and every benchmark. TAPS_JAX_TEST_XLA_DEFAULT=1 runs the
+# suite at the default level.
+if os.environ.get("TAPS_JAX_TEST_XLA_DEFAULT") != "1" and "xla_backend_optimization_level" not in \
+        os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 jax.config.update("jax_num_cpu_devices", N_CPU_DEVICES)
 # Nothing is written to your home, and a program that several tests build compiles once per run: the compile cache
 # (and every other file taps-jax keeps in its cache dir) lives in this run's pytest temp dir, shared by the xdist

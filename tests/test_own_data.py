@@ -22,6 +22,7 @@ import pytest
 
 from conftest import build_hf_model
 from taps_jax import load_scorer, load_target
+from taps_jax.config import CONFIGS_DIR
 from taps_jax.decoder import SpeculativeDecoder, load_drafter
 from train import data as data_lib
 from train import distill, scorer, target as target_mod, traces
@@ -158,7 +159,9 @@ def test_data_and_preset_refusals(hf_target, tmp_path, capsys):
     base = ["--target", str(hf_target), "--out", str(tmp_path / "o")]
     assert "--prompts FILE.jsonl" in _refusal(capsys, base)  # no data given
     err = _refusal(capsys, base + ["--prompts", str(prompts), "--preset", "nope"])
-    assert "no drafter preset 'nope'; known: default, smollm2, tiny" in err
+    shipped = sorted(f.stem.removeprefix("drafter_") for f in (CONFIGS_DIR / "train").glob("drafter_*.json"))
+    assert {"default", "smollm2", "tiny"} <= set(shipped)  # and a preset per later leg of a set's drafter
+    assert f"no drafter preset 'nope'; known: {', '.join(shipped)} (or give the path" in err
     err = _refusal(capsys, base + ["--prompts", str(prompts), "--val-prompts", str(prompts)])
     assert "also in --prompts" in err
     bad = tmp_path / "bad.jsonl"
