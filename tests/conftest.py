@@ -26,9 +26,8 @@ N_CPU_DEVICES = 8
 # passes are a third of that: tests/test_speculative.py alone took 177 s of CPU at XLA's default level and 109 s
 # at 0, run side by side (2026-12-05); the SmolLM2 tests, where the real model's matmuls dominate, took the same
 # (253 vs 243 s). The HLO is the same and matmuls are library calls, so results differ only by rounding (the default
-# set's logits by 7e-6 of 12; greedy tokens equal); what users
-# run, at XLA's default, is exercised by .ci/wheel_check and every benchmark. TAPS_JAX_TEST_XLA_DEFAULT=1 runs the
-# suite at the default level.
+# set's logits by 7e-6 of 12; greedy tokens equal); what users run, at XLA's default, is exercised by
+# .ci/wheel_check and every benchmark. TAPS_JAX_TEST_XLA_DEFAULT=1 runs the suite at the default level.
 if os.environ.get("TAPS_JAX_TEST_XLA_DEFAULT") != "1" and "xla_backend_optimization_level" not in \
         os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
