@@ -98,7 +98,10 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     assert leg3.settings.drafter.init_drafter == str(tmp_path / "state") and leg3.out == fresh / "distill-3"
     raw["drafter_legs"] = []  # another chain: the state's two legs are not this set's
     spec.write_text(json.dumps(raw))
+    capsys.readouterr()
     assert set_recipe.committed_legs(set_recipe.SetSpec.read(str(spec))) == 0
+    assert set_recipe.committed_legs(set_recipe.SetSpec.read(str(spec))) == 0
+    assert capsys.readouterr().out.count("not used") == 1  # said once per run, not at every stage that asks
 
 
 def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):

@@ -34,7 +34,10 @@ def preset_path(stage: str, name_or_path: str) -> Path:
     return path
 
 
-def read_preset(stage: str, name_or_path: str) -> tuple[Path, dict]:
+def read_preset(stage: str, name_or_path: str, _chain: tuple[Path, ...] = ()) -> tuple[Path, dict]:
+    """The preset's sections. `"base": NAME` (a preset of the same stage, or a JSON path relative to this file)
+    starts from that preset: each section of this file updates the base's section key by key, and a key that is
+    not a section replaces the base's (so a drafter leg's preset holds only what differs from leg 1's)."""
     path = preset_path(stage, name_or_path)
     try:
         raw = json.loads(path.read_text())
@@ -42,7 +45,22 @@ def read_preset(stage: str, name_or_path: str) -> tuple[Path, dict]:
         raise ValueError(f"{path}: cannot read the preset ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a preset is a JSON object of sections")
-    return path, raw
+    base = raw.pop("base", None)
+    if base is None:
+        return path, raw
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{path}: 'base' names the preset this one extends (a {stage} preset name or a JSON path), "
+                         f"got {base!r}")
+    chain = _chain + (path.resolve(),)
+    if (Path(base).suffix or len(Path(base).parts) > 1) and not Path(base).is_absolute():
+        base = str(path.parent / base)
+    if preset_path(stage, base).resolve() in chain:
+        raise ValueError(f"{path}: 'base' {base!r} leads back to itself ({' -> '.join(p.name for p in chain)})")
+    _, merged = read_preset(stage, base, chain)
+    for key, value in raw.items():
+        below = merged.get(key)
+        merged[key] = {**below, **value} if isinstance(value, dict) and isinstance(below, dict) else value
+    return path, merged
 
 
 def add_preset_flag(parser, stage: str, tiny: str) -> None:

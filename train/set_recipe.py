@@ -143,6 +143,9 @@ def _leg_settings(preset: str) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(distill.load_preset(preset)), default=str))
 
 
+_FOREIGN_STATES: set[Path] = set()  # states already reported as not this set's (the line prints once per run)
+
+
 def committed_legs(spec: SetSpec) -> int:
     """How many of the set's legs its committed drafter state has finished: all of the state's legs must be
     the set's first ones, with the same settings (else 0: the state is another chain's drafter)."""
@@ -152,8 +155,10 @@ def committed_legs(spec: SetSpec) -> int:
     done = json.loads((state / LEGS_FILE).read_text())["legs"]
     legs = spec.legs()
     if len(done) > len(legs) or any(r["settings"] != _leg_settings(p) for r, p in zip(done, legs)):
-        print(f"[recipe] drafter: the committed state {state} was trained by other legs than this set's; "
-              f"not used", flush=True)
+        if state not in _FOREIGN_STATES:
+            _FOREIGN_STATES.add(state)
+            print(f"[recipe] drafter: the committed state {state} was trained by other legs than this set's; "
+                  f"not used", flush=True)
         return 0
     return len(done)
 
