@@ -305,6 +305,17 @@ def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     assert path.stat().st_mtime_ns == stamp and not list(path.parent.glob("*.tmp*"))
 
 
+@pytest.mark.parametrize("tap_cache", [False, True])
+def test_bench_times_the_step_training_runs(tap_cache, capsys):
+    """--bench: with tap_cache the timed steps read features computed beforehand (as training then does)."""
+    target = tiny_target()
+    assert D.bench(target, tiny_drafter(target), config(2, tap_cache=tap_cache), D.distill_optim(2), 16, 2,
+                   prompt_len=8) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("BENCH"))
+    assert "B4 S32 A8 Kb6" in line and "draft tok/CPU-s" in line
+    assert ("computed once beforehand" in line) == tap_cache
+
+
 def test_soft_targets_are_the_targets_top_k_in_the_loss_cached_or_not(setup, tmp_path):
     """--soft-top-k k: each slot's loss mixes in the target's own top-k next-token probabilities (from the tap
     forward, or cached beside the taps: the same losses); checked against numpy at the first step."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,6 +176,31 @@ def test_training_mask_matches_separate_blocks():
         one = uncached(drafter, emb[:, j * K:(j + 1) * K], pos[:, j * K:(j + 1) * K], feats,
                        jnp.arange(S)[None], jnp.arange(S)[None] < a)
         np.testing.assert_allclose(np.asarray(got[:, j * K:(j + 1) * K]), np.asarray(one), atol=1e-5)
+
+
+def test_blockwise_training_forward_equals_the_dense_mask():
+    """forward_blocks (training: blocks never score each other's keys) = forward_masked under anchor_block_mask,
+    including an anchor at 0 that sees no context, and its gradients too."""
+    from train.distill_objective import anchor_block_mask, anchor_context_visibility
+
+    drafter, _ = random_drafter(TINY, seed=6)
+    rng = np.random.default_rng(7)
+    B, S, A, K = 2, 11, 3, TINY.block_size
+    F = len(TINY.target_layer_ids) * TINY.hidden_size
+    feats = jnp.asarray(rng.standard_normal((B, S, F)), jnp.float32)
+    anchors = jnp.asarray([[0, 4, 9], [7, 2, 5]], jnp.int32)
+    emb = jnp.asarray(rng.standard_normal((B, A * K, TINY.hidden_size)), jnp.float32)
+    pos = (anchors[..., None] + jnp.arange(K)).reshape(B, A * K)
+    ctx_pos = jnp.broadcast_to(jnp.arange(S), (B, S))
+    dense = lambda m: m.forward_masked(emb, pos, feats, ctx_pos, anchor_block_mask(anchors, S, K))
+    blocks = lambda m: m.forward_blocks(emb, pos, feats, ctx_pos, anchor_context_visibility(anchors, S))
+    np.testing.assert_allclose(np.asarray(nnx.jit(blocks)(drafter)), np.asarray(nnx.jit(dense)(drafter)),
+                               atol=1e-5, rtol=1e-5)
+    grads = [nnx.grad(lambda m, f=f: jnp.sum(jnp.sin(f(m))))(drafter) for f in (blocks, dense)]
+    for got, want in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="visibility"):
+        drafter.forward_blocks(emb, pos, feats, ctx_pos, anchor_context_visibility(anchors, S - 1))
 
 
 # --- context cache ----------------------------------------------------------

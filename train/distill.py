@@ -35,10 +35,11 @@ train/distill_objective.py; settings, the run, the CLI and --bench: here)
    reads them. Same forward, same features (tested against the in-step path).
 3. Objective: per sequence, A anchors are sampled without replacement; block
    j is [tok[a_j], MASK x H] at positions a_j .. a_j + H. All blocks of a
-   sequence run in ONE `Drafter.forward_masked`, where block j sees the
+   sequence run in ONE `Drafter.forward_blocks`, where block j sees the
    context features at positions < a_j (strictly: the anchor's own features
    arrive one round later at decode time) and its own block, nothing else
-   (`anchor_block_mask`, keyed on anchor positions). Loss: cross-entropy of
+   (`anchor_block_mask`, keyed on anchor positions; the blocks never score
+   each other's keys). Loss: cross-entropy of
    slot k against tok[a_j + k], k = 1..H, weighted w_k = exp(-(k-1)/gamma),
    normalised by the weight sum. gamma = 7 for Kb = 16 (DFlash) and, for
    other block sizes, 7 * (Kb - 1) / 15, so the weight at the LAST drafted
@@ -692,14 +693,20 @@ def run(config: DistillRun, mesh=None) -> Path | None:
 
 def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.OptimConfig,
           gen_tokens: int, n: int, prompt_len: int = 64, mesh=None) -> int:
-    """Time n train steps on random sequences of prompt_len + gen_tokens tokens; also the tap forward alone."""
+    """Time n train steps on random sequences of prompt_len + gen_tokens tokens; also the tap forward alone.
+    With tap_cache the steps read the features computed beforehand, as training then does."""
     rng = np.random.default_rng(0)
     B = config.batch_size
     S = -(-(prompt_len + gen_tokens) // 16) * 16
     N = max(4 * B, 8)
     seqs = Sequences(rng.integers(3, target.config.vocab_size, (N, S)).astype(np.int32),
                      np.full(N, prompt_len, np.int32), np.full(N, S, np.int32))
-    run = setup(target, drafter, seqs, config, optim, mesh)
+    taps_fn = jax.jit(lambda p, tok: target_taps(nnx.merge(target.graphdef, p), tok, drafter.config.target_layer_ids))
+    taps = None
+    if config.tap_cache:
+        taps = np.concatenate([jax.device_get(taps_fn(target.params, jnp.asarray(seqs.tokens[i:i + B])))
+                               for i in range(0, N, B)])
+    run = setup(target, drafter, seqs, config, optim, mesh, taps=taps)
     state = run.state
     tparams = sharding.shard_params(target.params, mesh)
     batch = lambda i: {**run.batches.batch_at(i), "target": tparams}
@@ -713,7 +720,6 @@ def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.O
     jax.block_until_ready(m)
     dt, cpu = (time.perf_counter() - t) / n, (time.process_time() - c) / n
 
-    taps_fn = jax.jit(lambda p, tok: target_taps(nnx.merge(target.graphdef, p), tok, drafter.config.target_layer_ids))
     tok = jnp.asarray(seqs.tokens[:B])
     jax.block_until_ready(taps_fn(target.params, tok))
     t, c = time.perf_counter(), time.process_time()
@@ -725,12 +731,12 @@ def bench(target: Target, drafter: Drafter, config: DistillConfig, optim: loop.O
     H = drafter.config.block_size - 1
     c = drafter.config
     draft = B * config.anchors_per_seq * H
+    where = "computed once beforehand (tap_cache)" if taps is not None else f"{cpu_taps / cpu:.0%} of the step's CPU time"
     print(f"BENCH drafter {c.num_layers}x{c.hidden_size} on target {target.config.num_layers}x"
           f"{target.config.hidden_size}: B{B} S{S} A{config.anchors_per_seq} Kb{c.block_size}: "
-          f"{dt:.3f} s/step ({cpu:.3f} CPU-s)  {draft / dt:,.0f} draft tok/s  {B * S / dt:,.0f} seq tok/s  "
-          f"{B / dt:.2f} seq/s; target-tap forward alone {dt_taps:.3f} s ({cpu_taps:.3f} CPU-s, "
-          f"{cpu_taps / cpu:.0%} of the step's CPU time)  "
-          f"loss {float(m['loss']):.3f}", flush=True)
+          f"{dt:.3f} s/step ({cpu:.3f} CPU-s)  {draft / dt:,.0f} draft tok/s  {draft / cpu:,.0f} draft tok/CPU-s  "
+          f"{B * S / dt:,.0f} seq tok/s  {B / dt:.2f} seq/s; target-tap forward alone {dt_taps:.3f} s "
+          f"({cpu_taps:.3f} CPU-s, {where})  loss {float(m['loss']):.3f}", flush=True)
     return 0
 
 

@@ -52,6 +52,11 @@ def anchor_block_mask(anchors_BA, context_len: int, block_size: int):
     return jnp.concatenate([context_BTC, jnp.broadcast_to(own_TT, (B, T, T))], axis=-1)
 
 
+def anchor_context_visibility(anchors_BA, context_len: int):
+    """The context part of `anchor_block_mask`, once per block: block j sees positions < anchors[j]. [B, A, C]"""
+    return jnp.arange(context_len)[None, None, :] < anchors_BA[:, :, None]
+
+
 def block_tokens(tokens_BS, anchors_BA, block_size: int, mask_token_id: int):
     """[tok[anchor], MASK x H] per anchor. [B, A, Kb] int32"""
     anchor_tok_BA = jnp.take_along_axis(tokens_BS, anchors_BA, axis=1)
@@ -66,17 +71,19 @@ def block_forward(drafter: Drafter, target: Transformer, blocks_BAK, anchors_BA,
 
     Block j (tokens blocks_BAK[:, j], embedded with the target's table) sits at
     positions anchors[j] .. anchors[j] + H and attends per `anchor_block_mask`
-    to the fused context taps_BSF (positions 0..S-1). Slot k predicts the token
-    at anchors[j] + k; slot 0 (the anchor) is not a prediction.
+    to the fused context taps_BSF (positions 0..S-1) and its own block
+    (`Drafter.forward_blocks`: the blocks never score each other's keys).
+    Slot k predicts the token at anchors[j] + k; slot 0 (the anchor) is not a
+    prediction.
     """
     B, A, Kb = blocks_BAK.shape
     S = taps_BSF.shape[1]
     positions_BAK = anchors_BA[..., None] + jnp.arange(Kb, dtype=jnp.int32)
     ctx_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     embeds_BTD = target.embed(blocks_BAK.reshape(B, A * Kb))
-    hidden_BTD = drafter.forward_masked(
+    hidden_BTD = drafter.forward_blocks(
         embeds_BTD, positions_BAK.reshape(B, A * Kb), taps_BSF, ctx_positions_BS,
-        anchor_block_mask(anchors_BA, S, Kb),
+        anchor_context_visibility(anchors_BA, S),
     )
     hidden_BAHD = hidden_BTD.reshape(B, A, Kb, -1)[:, :, 1:]
     return drafter.head(target, hidden_BAHD)

@@ -12,9 +12,11 @@ Because context K/V depend only on the context, they are cached
 (`DrafterCache`); block K/V never are.
 
 Inference (`Drafter.__call__`) attends to the cached context blockwise plus
-the whole block (`layers.attend_cached`); training and parity checks use
+the whole block (`layers.attend_cached`); parity checks use
 `Drafter.forward_masked`, dense attention under a general visibility mask
-over [context; block] keys (an anchor-keyed mask for training, DESIGN 4).
+over [context; block] keys, and training `Drafter.forward_blocks`, the same
+for many anchor blocks side by side (an anchor-keyed mask, DESIGN 4) without
+scoring one block against another.
 Attribute names follow the checkpoint (fc, hidden_norm, layers.{i}..., norm).
 
 A draft vocabulary (`draft_vocab_size` K, the `draft_vocab` ids) restricts
@@ -34,7 +36,7 @@ from flax import nnx
 from taps_jax.config import DrafterConfig
 from taps_jax.models.cache import KVCache
 from taps_jax.models.layers import (
-    MLP, Buffer, RMSNorm, apply_rope, attend, attend_cached, linear, rope_inv_freq, rope_table,
+    MLP, Buffer, RMSNorm, apply_rope, attend, attend_blocks, attend_cached, linear, rope_inv_freq, rope_table,
 )
 
 OUTSIDE = -1e30  # draft logit of an id outside the draft vocabulary: probability 0, finite (no inf - inf)
@@ -85,6 +87,15 @@ class DrafterAttention(nnx.Module):
         out_BTNH = attend(q, keys, values, mask_BTR)
         return self.o_proj(out_BTNH.reshape(B, T, -1))
 
+    def blocks(self, x_BTD, rope, ctx_k_BSKH, ctx_v_BSKH, ctx_visible_BAS):
+        """Training: T = A blocks side by side, each seeing its visible context and its own slots (`attend_blocks`)."""
+        B, T, _ = x_BTD.shape
+        A = ctx_visible_BAS.shape[1]
+        q, k, v = self._block_qkv(x_BTD, rope)
+        split = lambda x: x.reshape(B, A, T // A, *x.shape[2:])
+        out_BAQNH = attend_blocks(split(q), split(k), split(v), ctx_k_BSKH, ctx_v_BSKH, ctx_visible_BAS)
+        return self.o_proj(out_BAQNH.reshape(B, T, -1))
+
     def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int):
         """Inference: the block sees cached context slots [0, lengths) and the whole block, blockwise."""
         B, T, _ = x_BTD.shape
@@ -101,10 +112,12 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dt, rngs)
 
-    def __call__(self, x_BTD, rope, ctx_k_BSKH, ctx_v_BSKH, mask_BTR):
-        """Dense attention under a [context; block] visibility mask (training)."""
+    def __call__(self, x_BTD, rope, ctx_k_BSKH, ctx_v_BSKH, visible, blockwise: bool = False):
+        """Dense attention under a [context; block] visibility mask [B, T, C + T], or with `blockwise` blocks side
+        by side, each seeing its context visible[:, j] [B, A, C] and itself (training)."""
         h = self.input_layernorm(x_BTD)
-        x_BTD = x_BTD + self.self_attn(h, rope, ctx_k_BSKH, ctx_v_BSKH, mask_BTR)
+        attention = self.self_attn.blocks if blockwise else self.self_attn
+        x_BTD = x_BTD + attention(h, rope, ctx_k_BSKH, ctx_v_BSKH, visible)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
     def cached(self, x_BTD, rope, cache: "DrafterCache", layer: int):
@@ -167,12 +180,13 @@ class Drafter(nnx.Module):
         ks, vs = zip(*(layer.self_attn.key_value(ctx_BCD, rope) for layer in self.layers))
         return jnp.stack(ks), jnp.stack(vs)
 
-    def _run(self, x_BTD, positions_BT, ctx_k_LBSKH, ctx_v_LBSKH, mask_BTR):
-        """The layer stack + final norm, given every layer's context K/V and the visibility mask."""
+    def _run(self, x_BTD, positions_BT, ctx_k_LBSKH, ctx_v_LBSKH, visible, blockwise: bool = False):
+        """The layer stack + final norm, given every layer's context K/V and the visibility: a [context; block]
+        mask [B, T, C + T], or with `blockwise` each block's context [B, A, C] (`DrafterAttention.blocks`)."""
         rope = self._rope(positions_BT)
         x_BTD = x_BTD.astype(self.config.jnp_dtype)
         for i, layer in enumerate(self.layers):
-            x_BTD = layer(x_BTD, rope, ctx_k_LBSKH[i], ctx_v_LBSKH[i], mask_BTR)
+            x_BTD = layer(x_BTD, rope, ctx_k_LBSKH[i], ctx_v_LBSKH[i], visible, blockwise)
         return self.norm(x_BTD)
 
     def append_context(self, taps_BCF, count_B, cache: DrafterCache, start=None) -> DrafterCache:
@@ -225,6 +239,18 @@ class Drafter(nnx.Module):
             )
         k_LBCKH, v_LBCKH = self.context_kv(taps_BCF, ctx_positions_BC)
         return self._run(block_embeds_BTD, block_positions_BT, k_LBCKH, v_LBCKH, mask_BTR)
+
+    def forward_blocks(self, block_embeds_BTD, block_positions_BT, taps_BCF, ctx_positions_BC, ctx_visible_BAC):
+        """`forward_masked` for T = A blocks side by side where block j sees the context ctx_visible_BAC[:, j] and
+        its own T / A slots only (the training layout, `anchor_block_mask`), without scoring the other blocks'
+        keys. Returns final-normed hidden states [B, T, D]."""
+        T, A = block_embeds_BTD.shape[1], ctx_visible_BAC.shape[1]
+        if T % A or ctx_visible_BAC.shape[2] != taps_BCF.shape[1]:
+            raise ValueError(f"{A} blocks over {T} block tokens and {taps_BCF.shape[1]} context tokens need a "
+                             f"[B, {A}, {taps_BCF.shape[1]}] visibility with T a multiple of A, got "
+                             f"{tuple(ctx_visible_BAC.shape)}")
+        k_LBCKH, v_LBCKH = self.context_kv(taps_BCF, ctx_positions_BC)
+        return self._run(block_embeds_BTD, block_positions_BT, k_LBCKH, v_LBCKH, ctx_visible_BAC, blockwise=True)
 
     def forward_uncached(self, block_embeds_BKD, block_positions_BK, taps_BCF, ctx_positions_BC, ctx_valid_BC):
         """Same as `__call__` without a cache: context given as raw tap features.

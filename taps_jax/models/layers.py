@@ -128,6 +128,28 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
+def attend_blocks(q_BAQNH, k_BAQKH, v_BAQKH, ctx_k_BSKH, ctx_v_BSKH, ctx_visible_BAS):
+    """`attend` for A independent blocks of Q tokens side by side (the drafter's training forward).
+
+    Block j's queries see the context keys where ctx_visible[:, j] and the Q
+    keys of block j, never another block's: what `attend` computes under the
+    block-diagonal [context; blocks] mask, without the [A*Q, A*Q] block part
+    (at 32 blocks of 16 and 352 context keys, 2.3x fewer scores). Scores and
+    softmax in float32. Returns [B, A, Q, N, H].
+    """
+    B, A, Q, N, H = q_BAQNH.shape
+    K = k_BAQKH.shape[3]
+    S = ctx_k_BSKH.shape[1]
+    q_BAQKGH = q_BAQNH.reshape(B, A, Q, K, N // K, H).astype(jnp.float32) * (H ** -0.5)
+    ctx_BAKGQS = jnp.einsum("baqkgh,bskh->bakgqs", q_BAQKGH, ctx_k_BSKH.astype(jnp.float32))
+    ctx_BAKGQS = jnp.where(ctx_visible_BAS[:, :, None, None, None, :], ctx_BAKGQS, MASKED)
+    own_BAKGQR = jnp.einsum("baqkgh,barkh->bakgqr", q_BAQKGH, k_BAQKH.astype(jnp.float32))
+    probs = jax.nn.softmax(jnp.concatenate([ctx_BAKGQS, own_BAKGQR], axis=-1), axis=-1)
+    out_BAQKGH = (jnp.einsum("bakgqs,bskh->baqkgh", probs[..., :S], ctx_v_BSKH.astype(jnp.float32))
+                  + jnp.einsum("bakgqr,barkh->baqkgh", probs[..., S:], v_BAQKH.astype(jnp.float32)))
+    return out_BAQKGH.reshape(B, A, Q, N, H).astype(q_BAQNH.dtype)
+
+
 # ----------------------------------------------------------------------------- attention over a cache
 #
 # Decoding attends to two spans: the committed cache slots [0, len) and the T
