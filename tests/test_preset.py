@@ -43,7 +43,7 @@ def test_the_shipped_drafter_legs_keep_leg_1s_drafter_and_data(tmp_path):
 @pytest.mark.parametrize("base, message", [
     ("loop.json", "leads back to itself"),
     (7, "'base' names the preset this one extends"),
-    ("nosuchpreset", "no drafter preset 'nosuchpreset'"),
+    ("nosuchpreset", r"other.json: its .base.: no drafter preset .nosuchpreset."),
 ])
 def test_a_bad_base_is_refused_with_what_to_fix(tmp_path, base, message):
     write(tmp_path / "loop.json", base="other.json", train={"steps": 1})

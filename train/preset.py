@@ -54,7 +54,11 @@ def read_preset(stage: str, name_or_path: str, _chain: tuple[Path, ...] = ()) ->
     chain = _chain + (path.resolve(),)
     if (Path(base).suffix or len(Path(base).parts) > 1) and not Path(base).is_absolute():
         base = str(path.parent / base)
-    if preset_path(stage, base).resolve() in chain:
+    try:
+        below = preset_path(stage, base).resolve()
+    except ValueError as e:
+        raise ValueError(f"{path}: its 'base': {e}") from None
+    if below in chain:
         raise ValueError(f"{path}: 'base' {base!r} leads back to itself ({' -> '.join(p.name for p in chain)})")
     _, merged = read_preset(stage, base, chain)
     for key, value in raw.items():
