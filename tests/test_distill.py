@@ -7,6 +7,7 @@ Its lm_head is scaled up so the frozen head can express confident drafts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -16,6 +17,7 @@ import pytest
 from flax import nnx
 
 from taps_jax.api import Target
+from taps_jax.checkpoints.dflash import load_drafter_module, save_drafter
 from taps_jax.config import ModelConfig
 from taps_jax.decoder import SpeculativeDecoder, load_drafter
 from taps_jax.models.drafter import Drafter
@@ -394,11 +396,45 @@ def test_a_new_leg_starts_from_an_exported_drafter(setup, trained, tmp_path, cap
         D.DrafterSpec(init_drafter=str(out / "export"), init_from_target=True)
     with pytest.raises(ValueError, match=r"draft_vocab_size 16 \(this run: None\)"):
         D.init_from_drafter(tiny_drafter(target), out / "export")
-    with pytest.raises(ValueError, match="num_layers 1 \\(this run: 2\\)"):
-        D.init_from_drafter(Drafter(D.make_drafter_config(target.config, num_layers=2, block_size=KB,
-                                                          target_layer_ids=(0, 1), mask_token_id=MASK,
-                                                          draft_vocab_size=DRAFT_VOCAB), nnx.Rngs(0)),
-                            out / "export")
+
+
+def test_a_leg_with_more_layers_grows_the_drafter_it_starts_from(setup, trained, tmp_path, capsys):
+    target, seqs = setup
+    out, _, _ = trained
+    source, _ = load_drafter_module(out / "export")
+    deeper = lambda n, seed: Drafter(dataclasses.replace(source.config, num_layers=n), nnx.Rngs(seed))
+    grown = deeper(3, 5)
+    ids = D.init_from_drafter(grown, out / "export")
+    assert "grown from 1 to 3 layers" in capsys.readouterr().out
+    np.testing.assert_array_equal(ids, np.asarray(source.draft_vocab[...]))
+    np.testing.assert_array_equal(grown.draft_vocab[...], source.draft_vocab[...])
+    rng = np.random.default_rng(0)
+    C, A = 12, 2
+    F = len(source.config.target_layer_ids) * source.config.hidden_size
+    taps = jnp.asarray(rng.normal(size=(2, C, F)), jnp.float32)
+    embeds = jnp.asarray(rng.normal(size=(2, A * KB, source.config.hidden_size)), jnp.float32)
+    anchors = jnp.asarray([[4, 9], [2, 11]])
+    positions = (anchors[:, :, None] + jnp.arange(KB)).reshape(2, A * KB)
+    ctx_pos = jnp.broadcast_to(jnp.arange(C), (2, C))
+    visible = jnp.arange(C)[None, None, :] < anchors[:, :, None]
+
+    def hidden(d):
+        return d.forward_blocks(embeds, positions, taps, ctx_pos, visible)
+
+    # The grown drafter computes what its source does (the new layers write nothing yet) ...
+    np.testing.assert_allclose(np.asarray(hidden(grown)), np.asarray(hidden(source)), rtol=1e-5, atol=1e-5)
+    # ... its new layers read like the source's last one, and the loss reaches their zero writes at once.
+    np.testing.assert_array_equal(grown.layers[2].self_attn.q_proj.kernel[...], source.layers[0].self_attn.q_proj.kernel[...])
+    grads = nnx.grad(lambda d: jnp.sum(jnp.sin(hidden(d))))(grown)
+    assert float(jnp.abs(grads.layers[2].self_attn.o_proj.kernel[...]).max()) > 0
+    assert float(jnp.abs(grads.layers[1].mlp.down_proj.kernel[...]).max()) > 0
+    # Fewer layers than the source is not a growth: refused, naming the field.
+    save_drafter(grown, tmp_path / "deep")
+    with pytest.raises(ValueError, match=r"num_layers 3 \(this run: 2\)"):
+        D.init_from_drafter(deeper(2, 0), tmp_path / "deep")
+    # It trains (its layers hold their own buffers, which the step donates).
+    result = D.distill(target, grown, seqs, None, tmp_path / "run", config(2), D.distill_optim(2, lr=1e-2))
+    assert np.isfinite(float(result.history[-1]["loss"]))
 
 
 # --------------------------------------------------------------------------- export and decoding

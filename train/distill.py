@@ -235,7 +235,8 @@ class DrafterSpec:
     init_drafter: str | None = option(
         None, "start from an exported drafter's weights (a DFlash-layout dir, e.g. a set's shipped drafter): the "
               "next leg of a training that spans sessions, with a fresh optimizer and its own warmup; the drafter "
-              "settings must be the ones it was trained with, and its draft vocabulary is kept", metavar="DIR")
+              "settings must be the ones it was trained with (or more layers: it grows, computing the same at "
+              "the start), and its draft vocabulary is kept", metavar="DIR")
 
     def __post_init__(self):
         if self.init_drafter is not None and self.init_from_target:
@@ -519,19 +520,51 @@ def init_from_target(drafter: Drafter, target) -> None:
 
 def init_from_drafter(drafter: Drafter, path: Path) -> np.ndarray | None:
     """The drafter starts as the exported drafter at `path` (weights and draft vocabulary), which must have the
-    same config (dtype aside); refused before any work otherwise. Returns its draft vocabulary ids (None: the
-    whole vocabulary)."""
+    same config (dtype aside), or the same but fewer layers: then it grows (`grow_drafter`). Refused before any
+    work otherwise. Returns its draft vocabulary ids (None: the whole vocabulary)."""
     from taps_jax.checkpoints.dflash import load_drafter_module, read_drafter_config
 
     theirs, mine = read_drafter_config(path, drafter.config.dtype), drafter.config
+    grows = theirs.num_layers < mine.num_layers
     differ = [f"{f.name} {getattr(theirs, f.name)!r} (this run: {getattr(mine, f.name)!r})"
-              for f in dataclasses.fields(mine) if getattr(theirs, f.name) != getattr(mine, f.name)]
+              for f in dataclasses.fields(mine)
+              if getattr(theirs, f.name) != getattr(mine, f.name) and not (grows and f.name == "num_layers")]
     if differ:
         raise ValueError(f"--init-drafter {path}: that drafter was trained with other settings: {'; '.join(differ)}; "
-                         f"train with the settings it was trained with (preset or flags), or start without it")
+                         f"train with the settings it was trained with (preset or flags; more layers may be "
+                         f"asked for: the drafter grows), or start without it")
     source, _ = load_drafter_module(path, mine.dtype)
-    nnx.update(drafter, nnx.state(source))
+    if grows:
+        grow_drafter(drafter, source)
+        print(f"drafter: grown from {theirs.num_layers} to {mine.num_layers} layers; each new layer starts as a copy "
+              f"of the last one with its output projections at zero, so it computes what {path} does", flush=True)
+    else:
+        nnx.update(drafter, nnx.state(source))
     return None if mine.draft_vocab_size is None else np.asarray(jax.device_get(source.draft_vocab[...]), np.int32)
+
+
+def grow_drafter(drafter: Drafter, source: Drafter) -> None:
+    """`drafter` (L layers) starts as `source` (n < L layers) with L - n layers appended, computing the same.
+
+    Every part but the layer stack is the source's; layers i >= n are copies of
+    the source's last layer whose residual writes (attention o_proj, MLP
+    down_proj) are zero, so each starts as the identity on the residual stream
+    and the grown drafter's draft equals the source's. Their reads (q, k, v,
+    gate, up, norms) start where a trained layer is, not at random: the zero
+    writes get a gradient at once, and the reads from the next step on.
+    """
+    n = len(source.layers)
+    copy = lambda module: jax.tree.map(jnp.copy, nnx.state(module))  # own buffers: training donates them
+    nnx.update(drafter.fc, copy(source.fc))
+    nnx.update(drafter.hidden_norm, copy(source.hidden_norm))
+    nnx.update(drafter.norm, copy(source.norm))
+    if drafter.config.draft_vocab_size is not None:
+        drafter.set_draft_vocab(jax.device_get(source.draft_vocab[...]))
+    for i, layer in enumerate(drafter.layers):
+        nnx.update(layer, copy(source.layers[min(i, n - 1)]))
+        if i >= n:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.kernel.set_value(jnp.zeros_like(proj.kernel[...]))
 
 
 DRAFT_VOCAB = "draft_vocab.json"  # in the training dir: the fitted ids, reused on resume and export
