@@ -30,14 +30,19 @@ def test_a_preset_extends_its_base_section_by_section(tmp_path):
 
 
 def test_the_shipped_drafter_legs_keep_leg_1s_drafter_and_data(tmp_path):
-    """--init-drafter refuses a leg whose drafter settings differ from the drafter it starts from."""
+    """--init-drafter refuses a leg whose drafter settings differ from the drafter it starts from, but for more
+    layers (it grows): along the set's chain only num_layers may change, and only upwards."""
     leg1 = distill.load_preset("smollm2")
     legs = sorted(p.stem.removeprefix("drafter_") for p in PRESET_DIR.glob("drafter_smollm2_leg*.json"))
     assert legs, "no drafter leg presets shipped"
+    layers = leg1.drafter.num_layers
     for name in legs:
         leg = distill.load_preset(name)
-        assert (leg.drafter, leg.data) == (leg1.drafter, leg1.data), name
-        assert dataclasses.replace(leg, train=leg1.train, optim=leg1.optim) == leg1
+        assert leg.drafter.num_layers >= layers, name
+        layers = leg.drafter.num_layers
+        assert (dataclasses.replace(leg.drafter, num_layers=leg1.drafter.num_layers), leg.data) == \
+            (leg1.drafter, leg1.data), name
+        assert dataclasses.replace(leg, drafter=leg1.drafter, train=leg1.train, optim=leg1.optim) == leg1
 
 
 @pytest.mark.parametrize("base, message", [
