@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from train import compare_runs
@@ -42,3 +44,24 @@ def test_a_directory_that_is_not_a_run_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="--clock wall"):
         compare_runs.curve(old)
     assert compare_runs.curve(old, "elapsed_s")[0]["hours"] == 0.5
+
+
+def test_a_chain_of_legs_is_one_curve_and_a_next_leg_starts_where_it_ends(tmp_path, capsys):
+    legs = {"legs": [
+        {"leg": 1, "steps": 100, "cpu_s": 7200, "validation": [{"step": 50, "acc_1": 0.1, "tau_chain": 1.1},
+                                                              {"step": 100, "acc_1": 0.2, "tau_chain": 1.2}]},
+        {"leg": 2, "steps": 40, "cpu_s": 3600, "validation": [{"step": 40, "acc_1": 0.3, "tau_chain": 1.4}]}]}
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "legs.json").write_text(json.dumps(legs))
+    chain = compare_runs.chain_curve(tmp_path / "state" / "legs.json")
+    assert [(p["step"], p["hours"]) for p in chain] == [(50, 1.0), (100, 2.0), (140, 3.0)]
+    arm = run_dir(tmp_path, "arm", [(20, 1800, 1800, 0.35, 1.5)])
+    png = tmp_path / "chain.png"
+    assert compare_runs.main(["--legs", str(tmp_path / "state" / "legs.json"), str(arm), "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| chain (state) | 140 | 3.00 | 0.300 | 1.40 | 0.13 |" in out
+    assert "| arm | 160 | 3.50 | 0.350 | 1.50 | 0.14 |" in out
+    assert png.stat().st_size > 10_000
+    (tmp_path / "bad.json").write_text("{}")
+    assert compare_runs.main(["--legs", str(tmp_path / "bad.json")]) == 2
+    assert "not a chain's legs.json" in capsys.readouterr().err

@@ -1,18 +1,23 @@
 """Distillation runs side by side: validation acceptance per CPU-hour of training, as a table and one plot.
 
     python -m train.compare_runs runs/abl/full runs/abl/vocab4096 ... [--until-hours H] [--out curves.png]
+    python -m train.compare_runs --legs configs/sets/smollm2_drafter/legs.json runs/next-leg-arm ... --out chain.png
 
 Each argument is a `train.distill --out` directory. Its val_agreement.csv gives the validation acc_1 and the
 empirical chain tau at each evaluation, and its metrics.csv the training's clock at that step (cpu_s: the
 process's CPU seconds, all threads; or elapsed_s, wall-clock with --clock wall; evaluations included, resumed
 legs added up), so runs with different step costs compare on the same clock. CPU time is what a shared machine
 measures fairly: another job's load stretches a run's wall-clock, far less its CPU seconds.
+
+With --legs, a training chain's committed legs (a set's legs.json, `train.set_recipe`) are one curve on the
+chain's clock (the legs' CPU hours added up), and each run given is a next leg: it starts where the chain ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -37,6 +42,31 @@ def curve(run: Path, clock: str = "cpu_s") -> list[dict]:
             points.append({"step": step, "hours": elapsed[at] / 3600, "acc_1": float(r["acc_1"]),
                            "tau_chain": float(r["tau_chain"])})
     return sorted(points, key=lambda p: p["step"])
+
+
+def chain_curve(legs_file: Path) -> list[dict]:
+    """A chain's committed legs (legs.json) as one curve: steps and CPU-hours added up across legs. A record
+    keeps each leg's total CPU time, not each evaluation's, so a leg's evaluations are placed on its clock in
+    proportion to their steps."""
+    try:
+        legs = json.loads(Path(legs_file).read_text())["legs"]
+        points, steps, hours = [], 0, 0.0
+        for leg in legs:
+            for v in leg["validation"]:
+                points.append({"step": steps + v["step"], "hours": hours + leg["cpu_s"] / 3600 * v["step"] / leg["steps"],
+                               "acc_1": v["acc_1"], "tau_chain": v["tau_chain"]})
+            steps, hours = steps + leg["steps"], hours + leg["cpu_s"] / 3600
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{legs_file}: not a chain's legs.json ({e!r}); the state stage of python -m "
+                         f"train.set_recipe writes it") from None
+    if not points:
+        raise ValueError(f"{legs_file}: no validation points in its legs")
+    return points
+
+
+def after(points: list[dict], start: dict) -> list[dict]:
+    """A next leg's curve on its chain's clock: steps and hours counted from the chain's last point."""
+    return [{**p, "step": start["step"] + p["step"], "hours": start["hours"] + p["hours"]} for p in points]
 
 
 def table(curves: dict[str, list[dict]]) -> str:
@@ -73,7 +103,9 @@ def plot(curves: dict[str, list[dict]], out: Path, clock: str = "cpu_s") -> None
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.compare_runs", description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", type=Path, help="train.distill --out directories")
+    p.add_argument("runs", nargs="*", type=Path, help="train.distill --out directories")
+    p.add_argument("--legs", type=Path, default=None,
+                   help="a training chain's legs.json: its legs as one curve, and each run as a next leg after it")
     p.add_argument("--out", type=Path, default=None, help="write the learning curves here (PNG)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="hours of process CPU time (default) or of wall-clock")
@@ -83,7 +115,18 @@ def main(argv=None) -> int:
     try:
         clock = {"cpu": "cpu_s", "wall": "elapsed_s"}[args.clock]
         until = float("inf") if args.until_hours is None else args.until_hours
-        curves = {run.name: [pt for pt in curve(run, clock) if pt["hours"] <= until] for run in args.runs}
+        if not args.runs and args.legs is None:
+            raise ValueError("give train.distill --out directories, or --legs")
+        if args.legs is not None and clock != "cpu_s":
+            raise ValueError("--legs: a chain's records keep CPU time only; leave out --clock wall")
+        curves = {}
+        if args.legs is not None:
+            chain = chain_curve(args.legs)
+            curves[f"chain ({args.legs.parent.name})"] = chain
+        for run in args.runs:
+            points = curve(run, clock)
+            curves[run.name] = after(points, chain[-1]) if args.legs is not None else points
+        curves = {name: [pt for pt in points if pt["hours"] <= until] for name, points in curves.items()}
         if not all(curves.values()):
             empty = next(name for name, points in curves.items() if not points)
             raise ValueError(f"{empty}: no validation rows yet (val_agreement.csv is empty)")
