@@ -9,6 +9,7 @@ import pytest
 
 from train import distill
 from train.preset import PRESET_DIR, read_preset
+from train.set_recipe import SetSpec
 
 
 def write(path, **raw):
@@ -32,9 +33,11 @@ def test_a_preset_extends_its_base_section_by_section(tmp_path):
 def test_the_shipped_drafter_legs_keep_leg_1s_drafter_and_data(tmp_path):
     """--init-drafter refuses a leg whose drafter settings differ from the drafter it starts from, but for more
     layers (it grows): along the set's chain only num_layers may change, and only upwards."""
-    leg1 = distill.load_preset("smollm2")
-    legs = sorted(p.stem.removeprefix("drafter_") for p in PRESET_DIR.glob("drafter_smollm2_leg*.json"))
-    assert legs, "no drafter leg presets shipped"
+    spec = SetSpec.read("smollm2")
+    leg1 = distill.load_preset(spec.drafter_preset)
+    legs = spec.drafter_legs  # in the chain's order
+    shipped = {p.stem.removeprefix("drafter_") for p in PRESET_DIR.glob("drafter_smollm2_leg*.json")}
+    assert legs and set(legs) <= shipped, (legs, shipped)
     layers = leg1.drafter.num_layers
     for name in legs:
         leg = distill.load_preset(name)
