@@ -48,13 +48,16 @@ def test_a_directory_that_is_not_a_run_is_refused(tmp_path, capsys):
 
 def test_a_chain_of_legs_is_one_curve_and_a_next_leg_starts_where_it_ends(tmp_path, capsys):
     legs = {"legs": [
-        {"leg": 1, "steps": 100, "cpu_s": 7200, "validation": [{"step": 50, "acc_1": 0.1, "tau_chain": 1.1},
-                                                              {"step": 100, "acc_1": 0.2, "tau_chain": 1.2}]},
-        {"leg": 2, "steps": 40, "cpu_s": 3600, "validation": [{"step": 40, "acc_1": 0.3, "tau_chain": 1.4}]}]}
+        {"leg": 1, "steps": 100, "cpu_s": 7200, "elapsed_s": 3600,
+         "validation": [{"step": 50, "acc_1": 0.1, "tau_chain": 1.1}, {"step": 100, "acc_1": 0.2, "tau_chain": 1.2}]},
+        {"leg": 2, "steps": 40, "cpu_s": 3600, "elapsed_s": 1800,
+         "validation": [{"step": 40, "acc_1": 0.3, "tau_chain": 1.4}]}]}
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "legs.json").write_text(json.dumps(legs))
     chain = compare_runs.chain_curve(tmp_path / "state" / "legs.json")
     assert [(p["step"], p["hours"]) for p in chain] == [(50, 1.0), (100, 2.0), (140, 3.0)]
+    wall = compare_runs.chain_curve(tmp_path / "state" / "legs.json", "elapsed_s")
+    assert [(p["step"], p["hours"]) for p in wall] == [(50, 0.5), (100, 1.0), (140, 1.5)]
     arm = run_dir(tmp_path, "arm", [(20, 1800, 1800, 0.35, 1.5)])
     png = tmp_path / "chain.png"
     assert compare_runs.main(["--legs", str(tmp_path / "state" / "legs.json"), str(arm), "--out", str(png)]) == 0

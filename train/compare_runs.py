@@ -10,7 +10,7 @@ legs added up), so runs with different step costs compare on the same clock. CPU
 measures fairly: another job's load stretches a run's wall-clock, far less its CPU seconds.
 
 With --legs, a training chain's committed legs (a set's legs.json, `train.set_recipe`) are one curve on the
-chain's clock (the legs' CPU hours added up), and each run given is a next leg: it starts where the chain ends.
+chain's clock (the legs' hours added up), and each run given is a next leg: it starts where the chain ends.
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ def curve(run: Path, clock: str = "cpu_s") -> list[dict]:
     return sorted(points, key=lambda p: p["step"])
 
 
-def chain_curve(legs_file: Path) -> list[dict]:
-    """A chain's committed legs (legs.json) as one curve: steps and CPU-hours added up across legs. A record
-    keeps each leg's total CPU time, not each evaluation's, so a leg's evaluations are placed on its clock in
-    proportion to their steps."""
+def chain_curve(legs_file: Path, clock: str = "cpu_s") -> list[dict]:
+    """A chain's committed legs (legs.json) as one curve: steps and hours of `clock` (cpu_s or elapsed_s) added
+    up across legs. A record keeps each leg's total clock, not each evaluation's, so a leg's evaluations are
+    placed on its clock in proportion to their steps."""
     try:
         legs = json.loads(Path(legs_file).read_text())["legs"]
         points, steps, hours = [], 0, 0.0
         for leg in legs:
             for v in leg["validation"]:
-                points.append({"step": steps + v["step"], "hours": hours + leg["cpu_s"] / 3600 * v["step"] / leg["steps"],
+                points.append({"step": steps + v["step"], "hours": hours + leg[clock] / 3600 * v["step"] / leg["steps"],
                                "acc_1": v["acc_1"], "tau_chain": v["tau_chain"]})
-            steps, hours = steps + leg["steps"], hours + leg["cpu_s"] / 3600
+            steps, hours = steps + leg["steps"], hours + leg[clock] / 3600
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
         raise ValueError(f"{legs_file}: not a chain's legs.json ({e!r}); the state stage of python -m "
                          f"train.set_recipe writes it") from None
@@ -117,11 +117,9 @@ def main(argv=None) -> int:
         until = float("inf") if args.until_hours is None else args.until_hours
         if not args.runs and args.legs is None:
             raise ValueError("give train.distill --out directories, or --legs")
-        if args.legs is not None and clock != "cpu_s":
-            raise ValueError("--legs: a chain's records keep CPU time only; leave out --clock wall")
         curves = {}
         if args.legs is not None:
-            chain = chain_curve(args.legs)
+            chain = chain_curve(args.legs, clock)
             curves[f"chain ({args.legs.parent.name})"] = chain
         for run in args.runs:
             points = curve(run, clock)
