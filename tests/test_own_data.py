@@ -124,6 +124,40 @@ def test_given_responses_skip_generation(hf_target, tmp_path):
     assert load_drafter(out / "export").config.mask_token_id == MASK_ID  # the tokenizer's <|mask|>
 
 
+def test_more_prompts_add_an_answer_set_of_their_own(hf_target, tmp_path, capsys):
+    """--more-prompts: each file is answered as a set of its own, so a run that adds a file reuses the answers of
+    the files it had (a later leg of a set's chain adds prompts this way) and trains on all of them."""
+    prompts, more = write_prompts(tmp_path / "p.jsonl", 12, seed=10), write_prompts(tmp_path / "m.jsonl", 6, seed=11)
+    val = write_prompts(tmp_path / "v.jsonl", 4, seed=12)
+    base = ["--target", str(hf_target), "--preset", "tiny", "--prompts", str(prompts), "--val-prompts", str(val),
+            "--mask-token-id", str(MASK_ID), "--steps", "2", "--gen-tokens", "8", "--eval-every", "0"]
+    first = tmp_path / "first"
+    assert distill.main(base + ["--out", str(first)]) == 0
+    assert "train: 12 sequences" in capsys.readouterr().out
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "data").symlink_to(first / "data")  # one data cache, as the legs of a chain share leg 1's
+    assert distill.main(base + ["--out", str(second), "--more-prompts", str(more)]) == 0
+    out = capsys.readouterr().out
+    assert "train: 12 cached target continuations" in out and "train: 18 sequences" in out
+    assert len(list((first / "data").glob("train-*/lengths.npy"))) == 2
+    assert json.loads((second / "run.json").read_text())["data"]["more_prompts"] == [str(more)]
+    # The added prompts were distilled on: traces refuses them.
+    rc = traces.main(["--target", str(hf_target), "--drafter", str(second / "export"), "--prompts", str(more),
+                      "--out", str(tmp_path / "tr"), "--pool-width", "4", "--pool-k", "4", "--budget", "4"])
+    assert rc == 2 and "distilled on" in capsys.readouterr().err
+    # Refused before the target loads: a line in two files, pairs beside bare prompts, no --prompts.
+    again = tmp_path / "again.jsonl"
+    again.write_text(more.read_text().splitlines()[0] + "\n" + val.read_text().splitlines()[0] + "\n")
+    assert "also in" in _refusal(capsys, base + ["--out", str(tmp_path / "o"), "--more-prompts", str(again)])
+    pairs = write_prompts(tmp_path / "pairs.jsonl", 4, seed=13, response=True)
+    assert "responses" in _refusal(capsys, base + ["--out", str(tmp_path / "o"), "--more-prompts", str(pairs)])
+    assert "--more-prompts goes with --prompts" in _refusal(
+        capsys, ["--target", str(hf_target), "--out", str(tmp_path / "o"), "--corpus", str(tmp_path),
+                 "--more-prompts", str(more)])
+    assert not (tmp_path / "o").exists()
+
+
 def _refusal(capsys, argv) -> str:
     assert distill.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ def tiny_set(tmp_path):
     spec = {
         "target": str(target), "assets": str(tmp_path / "assets"), "drafter_preset": "tiny",
         "answers": str(tmp_path / "answers"), "drafter_legs": ["tiny"], "drafter_state": str(tmp_path / "state"),
+        "more_prompts": {"2": 4},  # leg 2 trains on 4 more train-split prompts' answers too
         "prompts": {"seed": 0, "max_prompt_tokens": 400,
                     "counts": {"train": 16, "validation": 4, "traces": 3, "heldout": 2}},
         "traces": {"max_new_tokens": 8, "budget": 4, "batch_size": 3, "pool_width": 4},
@@ -53,20 +55,27 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     leg2 = json.loads((work / "distill-2" / "run.json").read_text())
     assert leg2["settings"]["drafter"]["init_drafter"] == str(work / "distill" / "export")
     assert (work / "distill-2" / "data").resolve() == (work / "distill" / "data").resolve()
+    assert leg2["data"]["more_prompts"] == [str(work / "prompts_train_leg2.jsonl")]
+    assert json.loads((work / "distill" / "run.json").read_text())["data"]["more_prompts"] == []
     legs = json.loads((tmp_path / "state" / set_recipe.LEGS_FILE).read_text())["legs"]
     assert [r["leg"] for r in legs] == [1, 2] and all(r["validation"] and r["cpu_s"] > 0 for r in legs)
+    assert "more_prompts" not in legs[0] and legs[1]["more_prompts"] == 4
     assert legs[1]["settings"]["drafter"]["init_drafter"] is None  # the preset's, not this run's start
     shipped = (tmp_path / "assets" / "drafter" / "model.safetensors").read_bytes()
     assert (tmp_path / "state" / "model.safetensors").read_bytes() == shipped  # one blob in git
     packed = sorted((tmp_path / "answers").glob("*.npz"))  # the answers to commit: the drafter's data cache
-    assert [p.name.split("-")[0] for p in packed] == ["train", "validation"]
+    assert sorted(p.name.split("-")[0] for p in packed) == ["train", "train", "validation"]  # leg 2's answers too
+    rows = sorted(json.loads(p.with_suffix(".json").read_text())["sequences"] for p in packed)
     for p in packed:
         with np.load(p) as z:
             np.testing.assert_array_equal(z["tokens"], np.load(work / "distill" / "data" / p.stem / "tokens.npy"))
-    prompts = {s: [json.loads(line) for line in (work / f"prompts_{s}.jsonl").open()] for s in set_recipe.SPLITS}
+    prompts = {s: [json.loads(line) for line in (work / f"prompts_{s}.jsonl").open()]
+               for s in (*set_recipe.SPLITS, "train_leg2")}
     assert all(r["prompt"].startswith("### user:\n") for rows in prompts.values() for r in rows)
     ids = {s: {r["id"] for r in rows} for s, rows in prompts.items()}
     assert not ids["train"] & ids["traces"] and not ids["train"] & ids["validation"]
+    assert len(ids["train_leg2"]) == 4 and not ids["train_leg2"] & (ids["train"] | ids["validation"])
+    assert rows == sorted([len(prompts["validation"]), len(prompts["train"]), 4])
     models = load_model_set(tmp_path / "assets")
     assert models.drafter is not None and models.scorer is not None and models.greedy_scorer is not None
     assert models.table is not None and models.table.meta["prompts_file"] == "prompts_traces.jsonl"
@@ -82,8 +91,8 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     capsys.readouterr()
     assert set_recipe.main(argv[:4] + ["--stages", "prompts,drafter,traces,scorer,lookup,adaptive"]) == 0
     out = capsys.readouterr().out
-    # 4 prompt splits, 2 drafter legs, traces, 2 scorers, lookup, table
-    assert out.count("skipped") == 11 and "running" not in out
+    # 4 prompt splits and leg 2's, 2 drafter legs, traces, 2 scorers, lookup, table
+    assert out.count("skipped") == 12 and "running" not in out
     # A new machine: both legs are the committed state's, so nothing trains and the later stages read the state.
     fresh = tmp_path / "fresh"
     assert set_recipe.main(argv[:2] + ["--work", str(fresh), "--stages", "drafter,state"]) == 0
@@ -94,14 +103,20 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     raw = json.loads(spec.read_text())
     raw["drafter_legs"] = ["tiny", "tiny"]
     spec.write_text(json.dumps(raw))
+    with_more = set_recipe.SetSpec.read(str(spec))
     leg3 = set_recipe.stage_configs("drafter", set_recipe.SetSpec.read(str(spec)), fresh)[2]
     assert leg3.settings.drafter.init_drafter == str(tmp_path / "state") and leg3.out == fresh / "distill-3"
-    raw["drafter_legs"] = []  # another chain: the state's two legs are not this set's
+    assert leg3.more_prompts == (fresh / "prompts_train_leg2.jsonl",)  # what leg 2 added stays in the data
+    raw["drafter_legs"], _ = [], raw.pop("more_prompts")  # another chain: the state's two legs are not this set's
     spec.write_text(json.dumps(raw))
     capsys.readouterr()
     assert set_recipe.committed_legs(set_recipe.SetSpec.read(str(spec))) == 0
     assert set_recipe.committed_legs(set_recipe.SetSpec.read(str(spec))) == 0
     assert capsys.readouterr().out.count("not used") == 1  # said once per run, not at every stage that asks
+    raw["drafter_legs"], raw["more_prompts"] = ["tiny", "tiny"], {"3": 4}  # its leg 2 added no prompts
+    spec.write_text(json.dumps(raw))
+    assert set_recipe.committed_legs(set_recipe.SetSpec.read(str(spec))) == 0
+    assert set_recipe.committed_legs(with_more) == 2
 
 
 def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
@@ -109,6 +124,21 @@ def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
     assert "no set 'nosuchset'" in capsys.readouterr().err
     assert set_recipe.main(["--set", str(tiny_set(tmp_path)), "--stages", "target"]) == 2
     assert "unknown stage 'target'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("more, message", [
+    ({"1": 8}, "more_prompts has leg '1'; its keys are leg numbers of drafter_legs, 2 to 2"),
+    ({"3": 8}, "more_prompts has leg '3'"),
+    ({"2": 0}, r"more_prompts\['2'\] must be a positive number of prompts, got 0"),
+    ({"2": "8"}, "must be a positive number"),
+])
+def test_set_recipe_refuses_bad_added_prompts(tmp_path, capsys, more, message):
+    spec = tiny_set(tmp_path)
+    raw = json.loads(spec.read_text())
+    raw["more_prompts"] = more
+    spec.write_text(json.dumps(raw))
+    assert set_recipe.main(["--set", str(spec), "--dry-run"]) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_set_recipe_refuses_an_unknown_trace_setting(tmp_path, capsys):

@@ -99,7 +99,7 @@ from taps_jax.models.drafter import Drafter
 from train import loop
 from train.config import add_flags, build, option
 from train.preset import add_preset_flag, read_preset
-from train.data import (PROMPT_DIGESTS, Example, add_data_flags, encode_examples, read_split,
+from train.data import (PROMPT_DIGESTS, Example, add_data_flags, encode_examples, read_examples, read_split,
                         resolve_mask_token, write_prompt_digests)
 # Re-exported: train.distill is the stage's public face (data and objective live in their own modules).
 from train.distill_data import (  # noqa: F401
@@ -429,6 +429,10 @@ def parse_args(argv):
                    corpus="instead of --prompts: a tree of .py files; prompts are function signatures of its train "
                           "split, validation prompts of its --val-split (split by file path hash)")
     add_flags(p, DistillSettings)  # every preset setting, with its help and default, from the dataclasses
+    p.add_argument("--more-prompts", type=Path, nargs="+", default=[], metavar="FILE",
+                   help="more training prompts beside --prompts, in its format (every line used): each file is "
+                        "continued as an answer set of its own, cached under its own key, so adding a file to a "
+                        "run reuses the answers of the files it had")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")
     p.add_argument("--bench", type=int, default=0, metavar="N",
@@ -447,6 +451,7 @@ class DistillRun:
     settings: DistillSettings = DistillSettings()
     prompts: Path | None = None  # your prompts JSONL ...
     val_prompts: Path | None = None
+    more_prompts: tuple[Path, ...] = ()  # more training prompts, each answered as a set of its own
     corpus: Path | None = None  # ... or a tree of .py files
     preset: str = "default"  # the preset's name, recorded in the checkpoints
     resume: bool = False
@@ -460,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         compile_cache.setup(args)
         check_output_path(args.out, directory=True)  # before any work
         config = DistillRun(target=args.target, out=args.out, settings=load_preset(args.preset, args),
-                            prompts=args.prompts, val_prompts=args.val_prompts, corpus=args.corpus,
-                            preset=args.preset, resume=args.resume, export_only=args.export_only, bench=args.bench)
+                            prompts=args.prompts, val_prompts=args.val_prompts,
+                            more_prompts=tuple(args.more_prompts), corpus=args.corpus, preset=args.preset, resume=args.resume, export_only=args.export_only, bench=args.bench)
         run(config, sharding.setup_mesh(args))
         return 0
     except ValueError as e:
@@ -469,16 +474,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, validation) examples from --prompts/--val-prompts or --corpus; checked before any model loads."""
+def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example], list[list[Example]]]:
+    """(train, validation, [each --more-prompts file's]) examples from --prompts/--val-prompts/--more-prompts or
+    --corpus; checked before any model loads."""
     if (args.prompts is None) == (args.corpus is None):
         which = "both" if args.prompts is not None else "neither"
         raise ValueError(f"give your data with --prompts FILE.jsonl (prompts, optionally with responses) or --corpus "
                          f"DIR (a tree of .py files); got {which}")
     if args.val_prompts is not None and args.prompts is None:
         raise ValueError("--val-prompts goes with --prompts (--corpus takes its validation prompts from its own split)")
+    if args.more_prompts and args.prompts is None:
+        raise ValueError("--more-prompts goes with --prompts (the files beside it)")
     if args.prompts is not None:
-        return read_split(args.prompts, args.val_prompts, data.val_fraction)
+        train, val = read_split(args.prompts, args.val_prompts, data.val_fraction)
+        more, seen = [], {e.key: args.prompts for e in train} | {e.key: args.val_prompts or args.prompts for e in val}
+        for path in args.more_prompts:
+            examples = read_examples(path)
+            again = next((e for e in examples if e.key in seen), None)
+            if again is not None:
+                raise ValueError(f"--more-prompts {path}: a line of it is also in {seen[again.key]} (and maybe more); "
+                                 f"each prompt may be in one file only, so remove it from one")
+            if any(e.has_response != train[0].has_response for e in examples):
+                raise ValueError(f"--more-prompts {path}: its lines must have responses if --prompts {args.prompts} "
+                                 f"has them, and none if it has none")
+            seen.update({e.key: path for e in examples})
+            more.append(examples)
+        return train, val, more
     if not args.corpus.is_dir():
         raise ValueError(f"--corpus {args.corpus} is not a directory; give a tree of .py files")
     from train.corpus import build_prompts
@@ -486,7 +507,7 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
     def take(split, n, seed):
         return [Example(p["prompt"]) for p in build_prompts(split, n=n, seed=seed, root=args.corpus)]
 
-    return take("train", data.num_sequences, seed), take(data.val_split, data.val_sequences, seed + 1)
+    return take("train", data.num_sequences, seed), take(data.val_split, data.val_sequences, seed + 1), []
 
 
 def init_from_target(drafter: Drafter, target) -> None:
@@ -619,18 +640,21 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     d, data, config = s.drafter, s.data, s.train
     optim = s.optim.optim(config.steps)
     train_ex = val_ex = None
+    more_ex = []
     if not (args.bench or args.export_only):
-        train_ex, val_ex = read_data(args, data, config.seed)  # bad data is refused before the target loads
+        train_ex, val_ex, more_ex = read_data(args, data, config.seed)  # bad data is refused before the target loads
     target = load_target(args.target, mesh=mesh)  # on the mesh: data generation runs data-parallel too
     V = target.config.vocab_size
     pairs = val_pairs = []
+    more_pairs = []  # one list of pairs per --more-prompts file
     mask = d.mask_token_id
     if args.export_only and (args.out / "run.json").is_file():
         mask = json.loads((args.out / "run.json").read_text())["drafter"]["mask_token_id"]  # as trained
     if train_ex is not None:
         pairs = encode_examples(train_ex, target.tokenizer, V, str(args.prompts or args.corpus))
         val_pairs = encode_examples(val_ex, target.tokenizer, V, str(args.val_prompts or args.prompts or args.corpus))
-    given = [t for pair in pairs + val_pairs for t in pair if t is not None]
+        more_pairs = [encode_examples(ex, target.tokenizer, V, str(path)) for ex, path in zip(more_ex, args.more_prompts)]
+    given = [t for pair in pairs + val_pairs + sum(more_pairs, []) for t in pair if t is not None]
     mask = resolve_mask_token(target.tokenizer, V, mask, given, reserved=target.eos_ids)
     dcfg = make_drafter_config(
         target.config, num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=d.target_layer_ids,
@@ -677,17 +701,21 @@ def run(config: DistillRun, mesh=None) -> Path | None:
         return out
 
     args.out.mkdir(parents=True, exist_ok=True)
-    write_prompt_digests(args.out, [p for p, _ in pairs + val_pairs])
+    write_prompt_digests(args.out, [p for p, _ in pairs + val_pairs + sum(more_pairs, [])])
     # Rows are as wide as the longest prompt + gen_tokens, so a few long prompts would pad every row: keep
     # their last max_prompt_tokens (the default set's prompts: 25 tokens on average, 69 at the 99th percentile).
     cut = data.max_prompt_tokens
     if pairs[0][1] is not None:  # responses given: no generation
-        train_seqs = sequences_from_pairs(pairs, data.gen_tokens, cut)
+        train_seqs = Sequences.concat([sequences_from_pairs(group, data.gen_tokens, cut)
+                                       for group in (pairs, *more_pairs)])
         val_seqs = sequences_from_pairs(val_pairs, data.gen_tokens, cut) if val_pairs else None
     else:
         gen = dict(batch_size=data.gen_batch_size, temperature=data.temperature, cache_dir=args.out / "data")
-        train_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in pairs], data.gen_tokens,
-                                        greedy_fraction=data.greedy_fraction, seed=config.seed, name="train", **gen)
+        # One answer set per file, each cached under its own key: a file added later adds its answers only.
+        train_seqs = Sequences.concat([
+            generate_sequences(target, [p[-cut:] if cut else p for p, _ in group], data.gen_tokens,
+                               greedy_fraction=data.greedy_fraction, seed=config.seed, name="train", **gen)
+            for group in (pairs, *more_pairs)])
         val_name = data.val_split if args.corpus else "validation"
         val_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in val_pairs], data.gen_tokens,
                                       greedy_fraction=1.0, seed=config.seed + 1, name=val_name,
@@ -707,6 +735,7 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     (args.out / "run.json").write_text(json.dumps({
         "target": str(args.target), "drafter": dataclasses.asdict(dcfg), "settings": dataclasses.asdict(s),
         "data": {"prompts": str(args.prompts) if args.prompts else None,
+                 "more_prompts": [str(path) for path in args.more_prompts],
                  "val_prompts": str(args.val_prompts) if args.val_prompts else None,
                  "corpus": str(args.corpus) if args.corpus else None},
         "optim": dataclasses.asdict(optim), "params": n_params,

@@ -51,6 +51,20 @@ class Sequences:
             os.replace(tmp, path / f"{name}.npy")
 
     @classmethod
+    def concat(cls, parts: list["Sequences"]) -> "Sequences":
+        """The rows of every part in order, right-padded with PAD to the widest part."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(part.seq_len for part in parts)
+        tokens = np.full((sum(map(len, parts)), width), PAD_ID, np.int32)
+        lo = 0
+        for part in parts:
+            tokens[lo:lo + len(part), :part.seq_len] = part.tokens
+            lo += len(part)
+        return cls(tokens, *(np.concatenate([getattr(part, name) for part in parts])
+                             for name in ("prompt_lens", "lengths")))
+
+    @classmethod
     def load(cls, path: Path) -> "Sequences":
         return cls(*(np.load(path / f"{name}.npy") for name in ("tokens", "prompt_lens", "lengths")))
 

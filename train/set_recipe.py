@@ -75,6 +75,8 @@ class SetSpec:
     answers: str = ""  # the drafter's generated answers as token ids (to commit): a name under configs/sets/, or a path
     drafter_legs: list = dataclasses.field(default_factory=list)  # presets of the legs after drafter_preset's
     drafter_state: str = ""  # the last finished leg's drafter (to commit): a name under configs/sets/, or a path
+    more_prompts: dict = dataclasses.field(default_factory=dict)  # {"k": n}: from leg k on, the chain also trains
+    # on the answers to n more train-split prompts, drawn after the ones before
     comment: str = ""
 
     @classmethod
@@ -100,6 +102,13 @@ class SetSpec:
             unknown = sorted(set(getattr(spec, section)) - names)
             if unknown:
                 raise ValueError(f"{path}: unknown {section} setting {unknown[0]!r}; known: {', '.join(sorted(names))}")
+        for leg, n in spec.more_prompts.items():
+            if leg not in {str(k) for k in range(2, len(spec.legs()) + 1)}:
+                raise ValueError(f"{path}: more_prompts has leg {leg!r}; its keys are leg numbers of drafter_legs, "
+                                 f"2 to {len(spec.legs())} (leg 1 trains on the train split's prompts; a later leg may "
+                                 f"add more)")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{path}: more_prompts[{leg!r}] must be a positive number of prompts, got {n!r}")
         return spec
 
     def target_path(self) -> Path:
@@ -120,6 +129,16 @@ class SetSpec:
         """The drafter presets, in training order: leg 1 from scratch, each later leg from the one before."""
         return [self.drafter_preset, *self.drafter_legs]
 
+    def more_prompt_files(self, work: Path, k: int | None = None) -> list[Path]:
+        """The added training prompts that leg k (default: the last) trains on beside prompts_train.jsonl: one
+        file per leg up to k that adds some (the `prompts` stage writes them)."""
+        last = len(self.legs()) if k is None else k
+        return [leg_prompts(work, j) for j in range(2, last + 1) if self.more_at(j)]
+
+    def more_at(self, k: int) -> int:
+        """How many train-split prompts leg k adds (0: none)."""
+        return self.more_prompts.get(str(k), 0)
+
     def assets_dir(self) -> Path:
         return ASSETS / self.assets if len(Path(self.assets).parts) == 1 else Path(self.assets)
 
@@ -129,6 +148,11 @@ def _committed(name: str) -> Path | None:
     if not name:
         return None
     return SET_DIR / name if len(Path(name).parts) == 1 else Path(name)
+
+
+def leg_prompts(work: Path, k: int) -> Path:
+    """The training prompts that drafter leg k adds (`SetSpec.more_prompts`)."""
+    return work / f"prompts_train_leg{k}.jsonl"
 
 
 def leg_dir(work: Path, k: int) -> Path:
@@ -148,13 +172,14 @@ _FOREIGN_STATES: set[Path] = set()  # states already reported as not this set's 
 
 def committed_legs(spec: SetSpec) -> int:
     """How many of the set's legs its committed drafter state has finished: all of the state's legs must be
-    the set's first ones, with the same settings (else 0: the state is another chain's drafter)."""
+    the set's first ones, with the same settings and added prompts (else 0: the state is another chain's drafter)."""
     state = spec.state_dir()
     if state is None or not (state / LEGS_FILE).is_file() or not (state / "config.json").is_file():
         return 0
     done = json.loads((state / LEGS_FILE).read_text())["legs"]
     legs = spec.legs()
-    if len(done) > len(legs) or any(r["settings"] != _leg_settings(p) for r, p in zip(done, legs)):
+    if len(done) > len(legs) or any(r["settings"] != _leg_settings(p) or r.get("more_prompts", 0) != spec.more_at(k)
+                                    for k, (r, p) in enumerate(zip(done, legs), 1)):
         if state not in _FOREIGN_STATES:
             _FOREIGN_STATES.add(state)
             print(f"[recipe] drafter: the committed state {state} was trained by other legs than this set's; "
@@ -187,6 +212,7 @@ def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
                     settings, drafter=dataclasses.replace(settings.drafter, init_drafter=str(start)))
             runs.append(distill.DistillRun(target=target, out=leg_dir(work, k), settings=settings,
                                            prompts=work / "prompts_train.jsonl",
+                                           more_prompts=tuple(spec.more_prompt_files(work, k)),
                                            val_prompts=work / "prompts_validation.jsonl", preset=preset, resume=True))
         return runs
     drafter_dir = drafter_export(spec, work)
@@ -195,8 +221,8 @@ def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
         run = {k: t.pop(k) for k in ("batch_size", "num_prompts") if k in t}
         trace = traces.TraceConfig(**t)  # pool_width, budget, max_new_tokens, ...: unknown keys are refused
         return [traces.TracesRun(target=target, drafter=drafter_dir, prompts=work / "prompts_traces.jsonl",
-                                 out=work / "traces", distill_prompts=(work / "prompts_train.jsonl",), trace=trace,
-                                 **run)]
+                                 out=work / "traces", trace=trace, **run,
+                                 distill_prompts=(work / "prompts_train.jsonl", *spec.more_prompt_files(work)))]
     if name == "scorer":
         steps = {"steps": spec.scorer["steps"]} if spec.scorer.get("steps") else {}
         return [scorer.ScorerRun(traces=work / "traces", target=target, out=work / out, resume=True,
@@ -208,18 +234,32 @@ def stage_configs(name: str, spec: SetSpec, work: Path) -> list:
 def run_stage(name: str, spec: SetSpec, work: Path) -> None:
     assets = spec.assets_dir()
     if name == "prompts":
+        p = spec.prompts
+        # Each leg that adds prompts draws the train split at a larger count and keeps what the draws before did
+        # not have (a larger count extends a smaller one, `instructions.draw`).
+        counts, before = [], p["counts"]["train"]
+        for k in range(2, len(spec.legs()) + 1):
+            if spec.more_at(k):
+                counts.append((leg_prompts(work, k), before, before + spec.more_at(k)))
+                before += spec.more_at(k)
         todo = [split for split in SPLITS if not _done(work / f"prompts_{split}.jsonl", f"prompts ({split})")]
-        if todo:  # what `python -m train.instructions --split S --count N --seed S --chat-target T` writes
+        more = [c for c in counts if not _done(c[0], f"prompts ({c[0].stem.removeprefix('prompts_')})")]
+        if todo or more:  # what `python -m train.instructions --split S --count N --seed S --chat-target T` writes
             from taps_jax.api import load_target
             from train import instructions
 
-            p, pool, target = spec.prompts, instructions.candidates(), load_target(spec.target_path())
-            for split in todo:
-                drawn = instructions.draw(pool, split, p["counts"][split], p["seed"])
+            pool, target = instructions.candidates(), load_target(spec.target_path())
+            jobs = [(work / f"prompts_{split}.jsonl", instructions.draw(pool, split, p["counts"][split], p["seed"]))
+                    for split in todo]
+            for file, lo, hi in more:
+                earlier = {ins.id for ins in instructions.draw(pool, "train", lo, p["seed"])}
+                jobs.append((file, [ins for ins in instructions.draw(pool, "train", hi, p["seed"])
+                                    if ins.id not in earlier][:hi - lo]))
+            for file, drawn in jobs:
                 records, dropped = instructions.render_prompts(drawn, target, p["max_prompt_tokens"])
-                instructions.write_records(work / f"prompts_{split}.jsonl", records)
-                print(f"[recipe] prompts ({split}): {len(records)} ({dropped} longer than "
-                      f"{p['max_prompt_tokens']} tokens dropped)", flush=True)
+                instructions.write_records(file, records)
+                print(f"[recipe] prompts ({file.stem.removeprefix('prompts_')}): {len(records)} ({dropped} longer "
+                      f"than {p['max_prompt_tokens']} tokens dropped)", flush=True)
     elif name == "drafter":
         legs, have = spec.legs(), committed_legs(spec)
         for k, config in enumerate(stage_configs(name, spec, work), 1):
@@ -313,7 +353,9 @@ def pack_state(spec: SetSpec, work: Path, state: Path) -> None:
         points = curve(run, "cpu_s")
         with (run / "metrics.csv").open(newline="") as f:
             final = list(csv.DictReader(f))[-1]
+        more = spec.more_at(k)
         records.append({"leg": k, "preset": legs[k - 1], "settings": _leg_settings(legs[k - 1]),
+                        **({"more_prompts": more} if more else {}),
                         "steps": int(final["step"]), "cpu_s": float(final["cpu_s"] or 0),
                         "elapsed_s": float(final["elapsed_s"]),
                         "validation": [{"step": p["step"], "acc_1": p["acc_1"], "tau_chain": p["tau_chain"]}
