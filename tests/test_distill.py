@@ -307,6 +307,36 @@ def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     assert path.stat().st_mtime_ns == stamp and not list(path.parent.glob("*.tmp*"))
 
 
+def test_tap_features_run_each_batch_at_its_own_width(tmp_path):
+    """Rows of very different lengths: the cache runs batches of similar lengths at their own width, and gives
+    every position inside a row the full-width forward's features, so training reads what the step computes."""
+    from train import distill_data
+
+    target = tiny_target()
+    rng = np.random.default_rng(4)
+    lengths = np.array([150, 12, 70, 9, 140, 33, 100, 20, 64], np.int32)  # widths 64 to 192 (WIDTH_STEP 64)
+    tokens = np.full((len(lengths), 160), 0, np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(3, VOCAB, n)
+    seqs = D.Sequences(tokens, np.full(len(lengths), 4, np.int32), lengths)
+    widths = []
+    real = jax.jit  # the cache's one jitted forward, wrapped to see the widths it runs at
+    jitted = lambda fn: (lambda params, tokens_BS: (widths.append(tokens_BS.shape[1]), real(fn)(params, tokens_BS))[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", jitted)
+        feats = D.tap_features(target, seqs, (0, 1), tmp_path, "train", batch_size=2)
+    assert sorted(set(widths)) == [64, 128, 160] and len(widths) == 5  # sorted by length: 9, 12 | 20, 33 | ...
+    want = np.asarray(D.target_taps(target.model, jnp.asarray(tokens), (0, 1)))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(feats[i, :n], want[i, :n], rtol=1e-5, atol=1e-5)
+    steps, optim = 2, D.distill_optim(2, lr=1e-2)
+    ref = D.distill(target, tiny_drafter(target), seqs, seqs, tmp_path / "ref", config(steps), optim)
+    got = D.distill(target, tiny_drafter(target), seqs, seqs, tmp_path / "cached", config(steps, tap_cache=True),
+                    optim)
+    np.testing.assert_allclose([float(x["loss"]) for x in got.history], [float(x["loss"]) for x in ref.history],
+                               rtol=1e-5)
+
+
 @pytest.mark.parametrize("tap_cache", [False, True])
 def test_bench_times_the_step_training_runs(tap_cache, capsys):
     """--bench: with tap_cache the timed steps read features computed beforehand (as training then does)."""

@@ -9,7 +9,8 @@ report settings. Stages, in order; each is skipped when its output exists and
 resumes from its own checkpoints when interrupted (rerun the same command):
 
   prompts   train.instructions prompts, rendered by the      -> WORK/prompts_{train,validation,traces,heldout}.jsonl
-            target's chat template
+            target's chat template; the train-split prompts       and WORK/prompts_train_leg<k>.jsonl
+            a later leg adds ("more_prompts")
   drafter   DFlash distillation on the target's own answers   -> WORK/distill/export/ (leg k > 1: WORK/distill-k/)
             (configs/train/drafter_<preset>.json); starts from
             the set's committed answers where they match. A
