@@ -466,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         check_output_path(args.out, directory=True)  # before any work
         config = DistillRun(target=args.target, out=args.out, settings=load_preset(args.preset, args),
                             prompts=args.prompts, val_prompts=args.val_prompts,
-                            more_prompts=tuple(args.more_prompts), corpus=args.corpus, preset=args.preset, resume=args.resume, export_only=args.export_only, bench=args.bench)
+                            more_prompts=tuple(args.more_prompts), corpus=args.corpus, preset=args.preset,
+                            resume=args.resume, export_only=args.export_only, bench=args.bench)
         run(config, sharding.setup_mesh(args))
         return 0
     except ValueError as e:
@@ -653,7 +654,8 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     if train_ex is not None:
         pairs = encode_examples(train_ex, target.tokenizer, V, str(args.prompts or args.corpus))
         val_pairs = encode_examples(val_ex, target.tokenizer, V, str(args.val_prompts or args.prompts or args.corpus))
-        more_pairs = [encode_examples(ex, target.tokenizer, V, str(path)) for ex, path in zip(more_ex, args.more_prompts)]
+        more_pairs = [encode_examples(ex, target.tokenizer, V, str(path))
+                      for ex, path in zip(more_ex, args.more_prompts)]
     given = [t for pair in pairs + val_pairs + sum(more_pairs, []) for t in pair if t is not None]
     mask = resolve_mask_token(target.tokenizer, V, mask, given, reserved=target.eos_ids)
     dcfg = make_drafter_config(
