@@ -337,6 +337,45 @@ def test_tap_features_run_each_batch_at_its_own_width(tmp_path):
                                rtol=1e-5)
 
 
+def test_tap_features_of_grown_data_run_only_the_added_rows(tmp_path):
+    """A leg that adds answers: the features of [earlier rows; new rows] copy an earlier cache of the same weights
+    whose rows are the first ones (even at a narrower width), run the target over the new rows only, and equal
+    the features computed from scratch; a cache of other tap ids or other first rows is not reused."""
+    from train import distill_data
+
+    target = tiny_target()
+    rng = np.random.default_rng(5)
+
+    def part(lengths, width):
+        tokens = np.zeros((len(lengths), width), np.int32)
+        for i, n in enumerate(lengths):
+            tokens[i, :n] = rng.integers(3, VOCAB, n)
+        return D.Sequences(tokens, np.full(len(lengths), 4, np.int32), np.array(lengths, np.int32))
+
+    first, added = part([40, 90, 12, 70], 96), part([150, 30, 120], 160)
+    grown = D.Sequences.concat([first, added])
+    rows_run = []
+    real = jax.jit
+    counting = lambda fn: (lambda params, tokens_BS: (rows_run.append(len(tokens_BS)), real(fn)(params, tokens_BS))[1])
+    D.target_feature_cache(target, first, (0, 1), tmp_path / "grow", "train", soft_k=3, batch_size=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", counting)
+        got = D.target_feature_cache(target, grown, (0, 1), tmp_path / "grow", "train", soft_k=3, batch_size=2)
+    assert sum(rows_run) == 4  # the 3 added rows in batches of 2 (the last one wraps), not the 7
+    want = D.target_feature_cache(target, grown, (0, 1), tmp_path / "scratch", "train", soft_k=3, batch_size=2)
+    for i, n in enumerate(grown.lengths):  # past a row's end each batch leaves what its width gave
+        np.testing.assert_allclose(got["taps"][i, :n], want["taps"][i, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got["soft_ids"][i, :n], want["soft_ids"][i, :n])
+        np.testing.assert_allclose(got["soft_p"][i, :n], want["soft_p"][i, :n], rtol=1e-5, atol=1e-6)
+    rows_run.clear()
+    other_first = D.Sequences.concat([part([40, 90, 12, 70], 96), added])  # other tokens in the first rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", counting)
+        D.target_feature_cache(target, other_first, (0, 1), tmp_path / "grow", "train", batch_size=2)
+        D.target_feature_cache(target, grown, (1, 0), tmp_path / "grow", "train", batch_size=2)  # other taps
+    assert sum(rows_run) == 16
+
+
 @pytest.mark.parametrize("tap_cache", [False, True])
 def test_bench_times_the_step_training_runs(tap_cache, capsys):
     """--bench: with tap_cache the timed steps read features computed beforehand (as training then does)."""

@@ -306,37 +306,34 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     The same `target_features` forward the step would run, done once: for a real target it is most of a step
     (SmolLM2: 50-70%), and every pass after the first repeats it. Kept as cache_dir/taps-<name>-<key>.npy
     (soft<k>-ids-... / soft<k>-p-... beside it); the key hashes the weights, the tap ids and the tokens, so other
-    data or weights never reuse it.
+    data or weights never reuse it. When the data grew (a drafter leg that adds answers after the earlier ones),
+    an earlier cache of the same weights whose rows are this data's first rows is copied, and the target runs
+    only over the rows it lacks (`_earlier_rows`).
     """
     from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
 
     from train.distill_objective import target_features  # noqa: PLC0415
 
-    h = hashlib.sha1(params_fingerprint(target.params).encode())
-    h.update(repr(tuple(layer_ids)).encode())
-    h.update(seqs.tokens.tobytes())
-    key = f"{name}-{h.hexdigest()[:12]}"
+    weights = hashlib.sha1(params_fingerprint(target.params).encode())
+    weights.update(repr(tuple(layer_ids)).encode())
     N, S = seqs.tokens.shape
     F = len(layer_ids) * target.config.hidden_size
-    files = {"taps": (f"taps-{key}.npy", (N, S, F), np.float32)}
-    if soft_k:
-        files["soft_ids"] = (f"soft{soft_k}-ids-{key}.npy", (N, S, soft_k), np.int32)
-        files["soft_p"] = (f"soft{soft_k}-p-{key}.npy", (N, S, soft_k), np.float32)
     cache_dir = Path(cache_dir)
-    out = {}
-    for what, (file, shape, dtype) in files.items():
-        try:
-            got = np.load(cache_dir / file, mmap_mode="r")
-            if got.shape == shape and got.dtype == dtype:
-                out[what] = got
-        except (OSError, ValueError):
-            pass  # absent or damaged: recompute
-    if len(out) == len(files):
+    files = _feature_files(name, _feature_key(weights, seqs.tokens), N, S, F, soft_k)
+    out = _open_features(cache_dir, files)
+    if out is not None:
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = {what: cache_dir / f"{file}.tmp{os.getpid()}.npy" for what, (file, _, _) in files.items()}
     mm = {what: np.lib.format.open_memmap(tmp[what], mode="w+", dtype=dtype, shape=shape)
           for what, (_, shape, dtype) in files.items()}
+    done, earlier = _earlier_rows(cache_dir, name, weights, seqs, F, soft_k)
+    for lo in tqdm(range(0, done, 256), desc=f"target features ({name}): {done:,} rows from an earlier cache",
+                   unit="x256 rows", file=sys.stderr, disable=not done):
+        hi = min(lo + 256, done)
+        for what, old in earlier.items():
+            width = min(S, old.shape[1])  # past it every row is padding
+            mm[what][lo:hi, :width] = old[lo:hi, :width]
     graphdef = target.graphdef
     features_of = jax.jit(lambda params, tokens_BS: target_features(nnx.merge(graphdef, params), tokens_BS,
                                                                     layer_ids, soft_k))
@@ -345,11 +342,12 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     # compiled shapes): rows are padded to the longest of all, and SmolLM2's answers fill 62% of theirs. The
     # model is causal, so a position's features do not depend on the width; the positions past a batch's width
     # are past every row's end and stay zero.
-    order = np.argsort(seqs.lengths, kind="stable")
-    with tqdm(total=N, desc=f"target features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
-        for lo in range(0, N, batch_size):
-            rows = order[np.arange(lo, lo + batch_size) % N]  # the last batch wraps: its batch shape stays
-            n = min(batch_size, N - lo)
+    order = done + np.argsort(seqs.lengths[done:], kind="stable")
+    M = len(order)
+    with tqdm(total=M, desc=f"target features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
+        for lo in range(0, M, batch_size):
+            rows = order[np.arange(lo, lo + batch_size) % M]  # the last batch wraps: its batch shape stays
+            n = min(batch_size, M - lo)
             width = min(S, -(-int(seqs.lengths[rows].max()) // WIDTH_STEP) * WIDTH_STEP)
             got = jax.device_get(features_of(target.params, seqs.tokens[rows, :width].astype(np.int32)))
             for what, value in zip(("taps", "soft_ids", "soft_p"), got):
@@ -361,6 +359,58 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
         del mm[what]
         os.replace(tmp[what], cache_dir / file)
     return {what: np.load(cache_dir / file, mmap_mode="r") for what, (file, _, _) in files.items()}
+
+
+def _feature_key(weights, tokens_NS: np.ndarray) -> str:
+    """The cache key of these tokens' features under `weights` (a sha1 of the weights and tap ids)."""
+    h = weights.copy()
+    h.update(tokens_NS.tobytes())
+    return h.hexdigest()[:12]
+
+
+def _feature_files(name: str, key: str, N: int, S: int, F: int, soft_k: int) -> dict[str, tuple]:
+    """{what: (file name, shape, dtype)} of one feature cache."""
+    files = {"taps": (f"taps-{name}-{key}.npy", (N, S, F), np.float32)}
+    if soft_k:
+        files["soft_ids"] = (f"soft{soft_k}-ids-{name}-{key}.npy", (N, S, soft_k), np.int32)
+        files["soft_p"] = (f"soft{soft_k}-p-{name}-{key}.npy", (N, S, soft_k), np.float32)
+    return files
+
+
+def _open_features(cache_dir: Path, files: dict[str, tuple]) -> dict[str, np.ndarray] | None:
+    """The cache's memmaps, or None when a file is absent, damaged or of another shape."""
+    out = {}
+    for what, (file, shape, dtype) in files.items():
+        try:
+            got = np.load(cache_dir / file, mmap_mode="r")
+        except (OSError, ValueError):
+            return None
+        if got.shape != shape or got.dtype != dtype:
+            return None
+        out[what] = got
+    return out
+
+
+def _earlier_rows(cache_dir: Path, name: str, weights, seqs: Sequences, F: int,
+                  soft_k: int) -> tuple[int, dict[str, np.ndarray]]:
+    """(n, memmaps) of the largest earlier cache in cache_dir whose data was this data's first n rows (as
+    `Sequences.concat` padded them then), under the same weights and tap ids; (0, {}) if none. Its key, recomputed
+    from the first n rows, proves the match."""
+    N, S = seqs.tokens.shape
+    best = (0, {})
+    for path in cache_dir.glob(f"taps-{name}-*.npy"):
+        try:
+            n, width = np.load(path, mmap_mode="r").shape[:2]
+        except (OSError, ValueError):
+            continue
+        if not best[0] < n < N or (width < S and np.any(seqs.tokens[:n, width:] != PAD_ID)):
+            continue
+        tokens = np.full((n, width), PAD_ID, seqs.tokens.dtype)
+        tokens[:, :min(width, S)] = seqs.tokens[:n, :min(width, S)]
+        got = _open_features(cache_dir, _feature_files(name, _feature_key(weights, tokens), n, width, F, soft_k))
+        if got is not None:
+            best = (n, got)
+    return best
 
 
 # --------------------------------------------------------------------------- anchors and batches
