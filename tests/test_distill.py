@@ -8,7 +8,9 @@ Its lm_head is scaled up so the frozen head can express confident drafts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -290,11 +292,17 @@ def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     ref = D.distill(target, tiny_drafter(target), seqs, seqs, tmp_path / "ref", config(steps), optim)
     got = D.distill(target, tiny_drafter(target), seqs, seqs, tmp_path / "cached", config(steps, tap_cache=True),
                     optim)
-    files = sorted(p.name for p in (tmp_path / "cached" / "data").glob("taps-*.npy"))
-    assert len(files) == 2 and files[0].startswith("taps-train-") and files[1].startswith("taps-validation-")
-    feats = np.load(tmp_path / "cached" / "data" / files[0])
-    want = D.target_taps(target.model, jnp.asarray(seqs.tokens), (0, 1))
-    np.testing.assert_allclose(feats, np.asarray(want), rtol=1e-5, atol=1e-5)
+    files = sorted(p.name for p in (tmp_path / "cached" / "data").glob("*.npy") if "tmp" not in p.name)
+    assert len(files) == 2 and files[0].startswith("rows-train-") and files[1].startswith("rows-validation-")
+    flat = np.load(tmp_path / "cached" / "data" / files[0])  # each row's real positions, back to back
+    assert flat.shape == (seqs.lengths.sum(), 2 * target.config.hidden_size)
+    want = np.asarray(D.target_taps(target.model, jnp.asarray(seqs.tokens), (0, 1)))
+    np.testing.assert_allclose(flat, np.concatenate([w[:n] for w, n in zip(want, seqs.lengths)]), rtol=1e-5,
+                               atol=1e-5)
+    feats = np.asarray(D.tap_features(target, seqs, (0, 1), tmp_path / "cached" / "data", "train"))
+    for i, n in enumerate(seqs.lengths):  # read back padded with zeros
+        np.testing.assert_allclose(feats[i, :n], want[i, :n], rtol=1e-5, atol=1e-5)
+        assert not feats[i, n:].any()
     loss = lambda r: np.array([float(x["loss"]) for x in r.history])
     np.testing.assert_allclose(loss(got), loss(ref), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got.state.params), jax.tree.leaves(ref.state.params)):
@@ -304,6 +312,7 @@ def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     stamp = path.stat().st_mtime_ns
     again = D.tap_features(target, seqs, (0, 1), tmp_path / "cached" / "data", "train")
     np.testing.assert_array_equal(np.asarray(again), feats)
+    np.testing.assert_array_equal(again[[2, 0]], feats[[2, 0]])
     assert path.stat().st_mtime_ns == stamp and not list(path.parent.glob("*.tmp*"))
 
 
@@ -374,6 +383,29 @@ def test_tap_features_of_grown_data_run_only_the_added_rows(tmp_path):
         D.target_feature_cache(target, other_first, (0, 1), tmp_path / "grow", "train", batch_size=2)
         D.target_feature_cache(target, grown, (1, 0), tmp_path / "grow", "train", batch_size=2)  # other taps
     assert sum(rows_run) == 16
+    # A padded cache of before (taps-<name>-<key>.npy, [n, S, F], keyed by the padded tokens) is read the same way.
+    weights = hashlib.sha1(D.params_fingerprint(target.params).encode())
+    weights.update(repr((0, 1)).encode())
+    padded = np.asarray(D.target_taps(target.model, jnp.asarray(first.tokens), (0, 1)))
+    (tmp_path / "old").mkdir()
+    np.save(tmp_path / "old" / f"taps-train-{distill_data._padded_key(weights, first.tokens)}.npy", padded)
+    rows_run.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", counting)
+        got = D.target_feature_cache(target, grown, (0, 1), tmp_path / "old", "train", batch_size=2)
+    assert sum(rows_run) == 4
+    for i, n in enumerate(grown.lengths):
+        np.testing.assert_allclose(got["taps"][i, :n], want["taps"][i, :n], rtol=1e-5, atol=1e-5)
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "old").glob("*.npy")) == ["rows", "taps"]
+    rows_run.clear()  # the same rows as the padded cache: converted, the target runs over none
+    (tmp_path / "same").mkdir()
+    shutil.copy(next((tmp_path / "old").glob("taps-*.npy")), tmp_path / "same")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", counting)
+        got = D.tap_features(target, first, (0, 1), tmp_path / "same", "train", batch_size=2)
+    assert sum(rows_run) == 0
+    for i, n in enumerate(first.lengths):
+        np.testing.assert_array_equal(got[i, :n], padded[i, :n])
 
 
 @pytest.mark.parametrize("tap_cache", [False, True])
@@ -425,7 +457,7 @@ def test_soft_targets_are_the_targets_top_k_in_the_loss_cached_or_not(setup, tmp
     got = D.distill(target, fresh(), seqs, None, tmp_path / "cached",
                     config(steps, soft_top_k=k, soft_weight=w, tap_cache=True), D.distill_optim(steps, lr=1e-2))
     assert sorted(f.name.split("-")[0] for f in (tmp_path / "cached" / "data").glob("*.npy")) == \
-        ["soft5", "soft5", "taps"]
+        ["rows", "soft5", "soft5"]
     loss_of = lambda r: np.array([float(x["loss"]) for x in r.history])
     np.testing.assert_allclose(loss_of(got), loss_of(ref), rtol=1e-5)
 

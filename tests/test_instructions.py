@@ -195,3 +195,35 @@ def test_records_and_errors(tmp_path, pool):
         I.draw(pool, "heldout", 10**6)
     with pytest.raises(ValueError, match="unknown split"):
         I.draw(pool, "test", 5)
+
+
+def test_package_candidates(roots, tmp_path, monkeypatch):
+    """Code tasks from an installed package's sources: keyed by package, test suites skipped, HumanEval guarded;
+    `kinds` draws only some kinds, and a larger count still extends a smaller one."""
+    lib, _ = roots
+    site = tmp_path / "site"
+    shutil.copytree(lib, site / "pkgdemo")  # a package: the stdlib pieces and the planted HumanEval file
+    (site / "pkgdemo" / "__init__.py").write_text('"""A package."""\n')
+    (site / "pkgdemo" / "tests").mkdir()
+    shutil.copy(lib / "statistics.py", site / "pkgdemo" / "tests" / "copied.py")  # a test suite: skipped
+    monkeypatch.syspath_prepend(str(site))
+    pool = I.package_candidates(["pkgdemo"])
+    assert pool and all(c.source.startswith("pkg:pkgdemo/") and "/tests/" not in c.source for c in pool)
+    assert {c.kind for c in pool} <= set(I.KINDS) - {"passage", "topic"}  # code tasks only
+    assert [c.record() for c in I.package_candidates(["pkgdemo"])] == [c.record() for c in pool]
+    names = {c.id.rsplit(":", 1)[-1] for c in pool}
+    assert "harmless_helper" in names and not names & {"has_close_elements", "split_number_parts", "median"}
+    stdlib = sorted(c.id.split(":", 1)[0] + c.id.rsplit(":", 2)[-1]
+                    for c in I.candidates(lib, [], pydoc_topics=False) if c.kind != "passage")
+    assert sorted(c.id.split(":", 1)[0] + c.id.rsplit(":", 2)[-1] for c in pool) == stdlib  # the stdlib's tasks
+    split = "traces" if sum(c.split == "traces" for c in pool) > sum(c.split == "train" for c in pool) else "train"
+    code = I.draw(pool, split, 12, seed=1, kinds=["complete", "write_function"])
+    assert {c.kind for c in code} == {"write_function", "complete"}
+    more = {c.id for c in I.draw(pool, split, 20, seed=1, kinds=("write_function", "complete"))}
+    assert {c.id for c in code} <= more
+    with pytest.raises(ValueError, match="unknown prompt kind 'poem'"):
+        I.draw(pool, split, 5, kinds=["poem"])
+    with pytest.raises(ValueError, match="no installed package 'nosuchpkg'"):
+        I.package_candidates(["nosuchpkg"])
+    with pytest.raises(ValueError, match="no installed package 'os'"):  # a module, not a package directory
+        I.package_root("os")

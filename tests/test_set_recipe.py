@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,8 +132,12 @@ def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
 @pytest.mark.parametrize("more, message", [
     ({"1": 8}, "more_prompts has leg '1'; its keys are leg numbers of drafter_legs, 2 to 2"),
     ({"3": 8}, "more_prompts has leg '3'"),
-    ({"2": 0}, r"more_prompts\['2'\] must be a positive number of prompts, got 0"),
+    ({"2": 0}, r"more_prompts\['2'\] must be a positive number of prompts or .*got 0"),
     ({"2": "8"}, "must be a positive number"),
+    ({"2": {"count": 8}}, r"more_prompts\['2'\]: packages must be a list of installed package names"),
+    ({"2": {"count": 0, "packages": ["jax"]}}, "count must be a positive number of prompts, got 0"),
+    ({"2": {"count": 8, "packages": ["jax"], "kinds": ["poem"]}}, "kinds must be a list of some of write_function"),
+    ({"2": {"count": 8, "packages": ["jax"], "kind": ["complete"]}}, "unknown key 'kind'; known: count, packages"),
 ])
 def test_set_recipe_refuses_bad_added_prompts(tmp_path, capsys, more, message):
     spec = tiny_set(tmp_path)
@@ -139,6 +146,38 @@ def test_set_recipe_refuses_bad_added_prompts(tmp_path, capsys, more, message):
     spec.write_text(json.dumps(raw))
     assert set_recipe.main(["--set", str(spec), "--dry-run"]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_legs_add_code_tasks_from_installed_packages(tmp_path, monkeypatch, capsys):
+    """A leg's added prompts may be code tasks of installed packages' sources; legs that draw from one pool
+    continue it, and a stdlib leg after them continues the stdlib's train split."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", site / "pkgdemo",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py", site / "pkgdemo" / "textwrap.py")
+    monkeypatch.syspath_prepend(str(site))
+    spec, work = tiny_set(tmp_path), tmp_path / "work"
+    raw = json.loads(spec.read_text())
+    code = {"count": 2, "packages": ["pkgdemo"], "kinds": ["complete", "write_function"]}
+    raw["drafter_legs"], raw["more_prompts"] = ["tiny"] * 3, {"2": code, "3": 4, "4": code}
+    spec.write_text(json.dumps(raw))
+    assert [d[1:] for d in set_recipe.SetSpec.read(str(spec)).more_draws()] == [
+        ((("pkgdemo",), ("write_function", "complete")), 0, 2), ((), 16, 20),
+        ((("pkgdemo",), ("write_function", "complete")), 2, 4)]
+    assert set_recipe.main(["--set", str(spec), "--work", str(work), "--stages", "prompts"]) == 0
+    assert "code tasks from pkgdemo" in capsys.readouterr().out
+    ids = {k: [json.loads(line)["id"] for line in (work / f"prompts_{k}.jsonl").open()]
+           for k in ("train", "train_leg2", "train_leg3", "train_leg4")}
+    for k in ("train_leg2", "train_leg4"):
+        assert len(ids[k]) == 2 and all(re.match(r"(write_function|complete):pkg:pkgdemo/", i) for i in ids[k])
+    assert not set(ids["train_leg2"]) & set(ids["train_leg4"])
+    assert len(ids["train_leg3"]) == 4 and all(":stdlib:" in i for i in ids["train_leg3"])
+    assert not set(ids["train_leg3"]) & set(ids["train"])
+    raw["more_prompts"]["2"]["packages"] = ["nosuchpkg"]  # refused before the target loads or anything is drawn
+    spec.write_text(json.dumps(raw))
+    (work / "prompts_train_leg2.jsonl").unlink()
+    assert set_recipe.main(["--set", str(spec), "--work", str(work), "--stages", "prompts"]) == 2
+    assert "no installed package 'nosuchpkg'" in capsys.readouterr().err
 
 
 def test_set_recipe_refuses_an_unknown_trace_setting(tmp_path, capsys):

@@ -30,9 +30,9 @@ train/distill_objective.py; settings, the run, the CLI and --bench: here)
    default set's 6-layer target). For a real target it dominates the step
    (SmolLM2-135M: 50-70%), and every pass after the first repeats it:
    `tap_cache` (the train section) computes every sequence's features once
-   into <out>/data/taps-<split>-<key>.npy ([N, S, n_taps * D] float32, read
-   as a memmap; the key hashes the weights, tap ids and tokens) and the step
-   reads them. Same forward, same features (tested against the in-step path).
+   into <out>/data/rows-<split>-<key>.npy (each row's real positions back to
+   back, [sum of lengths, n_taps * D] float32, read as a memmap; the key hashes
+   the weights, tap ids and tokens) and the step reads them. Same forward, same features (tested against the in-step path).
 3. Objective: per sequence, A anchors are sampled without replacement; block
    j is [tok[a_j], MASK x H] at positions a_j .. a_j + H. All blocks of a
    sequence run in ONE `Drafter.forward_blocks`, where block j sees the
@@ -186,7 +186,8 @@ class DistillConfig:
     checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
     keep: int = option(3, "checkpoints kept")
     tap_cache: bool = option(False, "compute the frozen target's tap features of every sequence once and keep "
-                                    "them on disk (<out>/data/taps-*.npy, N x S x taps x D float32) instead of "
+                                    "them on disk (<out>/data/rows-*.npy, each row's positions x taps x D float32) "
+                                    "instead of "
                                     "in every step")
     soft_top_k: int = option(0, "soft targets: the target's top-k next-token probabilities at every "
                                 "supervised position join the loss (0: hard labels only); computed in the tap "

@@ -292,23 +292,53 @@ WIDTH_STEP = 64  # the target feature forward's widths are multiples of this
 
 
 def tap_features(target: Target, seqs: Sequences, layer_ids: tuple[int, ...], cache_dir: Path, name: str,
-                 batch_size: int = 8) -> np.ndarray:
-    """The frozen target's tap features [N, S, n_taps * D] (float32) of every sequence, as a read-only memmap
+                 batch_size: int = 8) -> "RowFeatures":
+    """The frozen target's tap features [N, S, n_taps * D] (float32) of every sequence, read from disk row by row
     (`target_feature_cache` without soft targets)."""
     return target_feature_cache(target, seqs, layer_ids, cache_dir, name, batch_size=batch_size)["taps"]
 
 
+class RowFeatures:
+    """Features of each row's real positions, stored without padding: row i is flat_TF[offsets[i]:offsets[i + 1]]
+    (its first lengths[i] positions). Indexed like the [N, S, F] array it stands for, it gives rows right-padded
+    with zeros (no loss reads past a row's end: anchors stop before it and a block sees the context before its
+    anchor). SmolLM2's answers fill 62% of their rows, so this holds 0.62x the padded array's bytes."""
+
+    def __init__(self, flat_TF: np.ndarray, lengths_N: np.ndarray, width: int):
+        self.flat, self.lengths = flat_TF, np.asarray(lengths_N, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.shape = (len(self.lengths), int(width), flat_TF.shape[1])
+        self.dtype = flat_TF.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        rows = np.arange(self.shape[0])[first]
+        out = np.zeros((rows.size, *self.shape[1:]), self.dtype)
+        for j, r in enumerate(rows.reshape(-1)):
+            out[j, :self.lengths[r]] = self.flat[self.offsets[r]:self.offsets[r + 1]]
+        out = out[0] if rows.ndim == 0 else out
+        return out[rest] if rest else out
+
+    def __array__(self, dtype=None, copy=None):
+        return self[:] if dtype is None else self[:].astype(dtype)
+
+
 def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, ...], cache_dir: Path, name: str,
-                         soft_k: int = 0, batch_size: int = 8) -> dict[str, np.ndarray]:
-    """What the frozen target gives every sequence, computed once, as read-only memmaps: "taps" [N, S, F]
-    float32 and, with soft_k, "soft_ids" [N, S, k] int32 / "soft_p" [N, S, k] float32 (its top-k next tokens).
+                         soft_k: int = 0, batch_size: int = 8) -> dict:
+    """What the frozen target gives every sequence, computed once and read from disk: "taps" [N, S, F] float32
+    (a `RowFeatures`) and, with soft_k, "soft_ids" [N, S, k] int32 / "soft_p" [N, S, k] float32 memmaps (its top-k
+    next tokens).
 
     The same `target_features` forward the step would run, done once: for a real target it is most of a step
-    (SmolLM2: 50-70%), and every pass after the first repeats it. Kept as cache_dir/taps-<name>-<key>.npy
-    (soft<k>-ids-... / soft<k>-p-... beside it); the key hashes the weights, the tap ids and the tokens, so other
-    data or weights never reuse it. When the data grew (a drafter leg that adds answers after the earlier ones),
-    an earlier cache of the same weights whose rows are this data's first rows is copied, and the target runs
-    only over the rows it lacks (`_earlier_rows`).
+    (SmolLM2: 50-70%), and every pass after the first repeats it. Kept as cache_dir/rows-<name>-<key>.npy (the
+    rows' real positions, back to back; soft<k>-ids-... / soft<k>-p-... beside it); the key hashes the weights,
+    the tap ids and each row's tokens, so other data or weights never reuse it. When the data grew (a drafter leg
+    that adds answers after the earlier ones), an earlier cache of the same weights whose rows are this data's
+    first rows is copied (also one of the padded taps-<name>-<key>.npy files caches were before), and the target
+    runs only over the rows it lacks (`_earlier_rows`).
     """
     from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
 
@@ -318,9 +348,11 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     weights.update(repr(tuple(layer_ids)).encode())
     N, S = seqs.tokens.shape
     F = len(layer_ids) * target.config.hidden_size
+    lengths = seqs.lengths.astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
     cache_dir = Path(cache_dir)
-    files = _feature_files(name, _feature_key(weights, seqs.tokens), N, S, F, soft_k)
-    out = _open_features(cache_dir, files)
+    files = _feature_files(name, _rows_key(weights, seqs, N), N, S, F, soft_k, int(offsets[-1]))
+    out = _open_features(cache_dir, files, seqs)
     if out is not None:
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -332,16 +364,20 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
                    unit="x256 rows", file=sys.stderr, disable=not done):
         hi = min(lo + 256, done)
         for what, old in earlier.items():
-            width = min(S, old.shape[1])  # past it every row is padding
-            mm[what][lo:hi, :width] = old[lo:hi, :width]
+            if isinstance(old, RowFeatures):  # the same rows back to back: a prefix of ours
+                mm["taps"][offsets[lo]:offsets[hi]] = old.flat[offsets[lo]:offsets[hi]]
+            elif what == "taps":  # a padded cache of before
+                for r in range(lo, hi):
+                    mm["taps"][offsets[r]:offsets[r + 1]] = old[r, :lengths[r]]
+            else:
+                width = min(S, old.shape[1])  # past it every row is padding
+                mm[what][lo:hi, :width] = old[lo:hi, :width]
     graphdef = target.graphdef
     features_of = jax.jit(lambda params, tokens_BS: target_features(nnx.merge(graphdef, params), tokens_BS,
                                                                     layer_ids, soft_k))
     gb = sum(int(np.prod(shape)) * 4 for _, shape, _ in files.values()) / 2**30
     # Batches of similar lengths, each run only as wide as its longest row (rounded up to WIDTH_STEP: a few
-    # compiled shapes): rows are padded to the longest of all, and SmolLM2's answers fill 62% of theirs. The
-    # model is causal, so a position's features do not depend on the width; the positions past a batch's width
-    # are past every row's end and stay zero.
+    # compiled shapes). The model is causal, so a position's features do not depend on the width.
     order = done + np.argsort(seqs.lengths[done:], kind="stable")
     M = len(order)
     with tqdm(total=M, desc=f"target features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
@@ -351,34 +387,51 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
             width = min(S, -(-int(seqs.lengths[rows].max()) // WIDTH_STEP) * WIDTH_STEP)
             got = jax.device_get(features_of(target.params, seqs.tokens[rows, :width].astype(np.int32)))
             for what, value in zip(("taps", "soft_ids", "soft_p"), got):
-                if what in mm:
+                if what == "taps":
+                    for j, r in enumerate(rows[:n]):
+                        mm["taps"][offsets[r]:offsets[r + 1]] = np.asarray(value[j, :lengths[r]])
+                elif what in mm:
                     mm[what][rows[:n], :width] = np.asarray(value)[:n]
             bar.update(n)
     for what, (file, _, _) in files.items():
         mm[what].flush()
         del mm[what]
         os.replace(tmp[what], cache_dir / file)
-    return {what: np.load(cache_dir / file, mmap_mode="r") for what, (file, _, _) in files.items()}
+    return _open_features(cache_dir, files, seqs)
 
 
-def _feature_key(weights, tokens_NS: np.ndarray) -> str:
-    """The cache key of these tokens' features under `weights` (a sha1 of the weights and tap ids)."""
+def _rows_key(weights, seqs: Sequences, n: int) -> str:
+    """The cache key of the first n rows' features under `weights` (a sha1 of the weights and tap ids): their
+    lengths and real tokens, whatever width the rows were padded to."""
+    h = weights.copy()
+    h.update(seqs.lengths[:n].astype(np.int64).tobytes())
+    for tokens, length in zip(seqs.tokens[:n], seqs.lengths[:n]):
+        h.update(tokens[:length].astype(np.int32).tobytes())
+    return h.hexdigest()[:12]
+
+
+def _padded_key(weights, tokens_NS: np.ndarray) -> str:
+    """The key of a padded taps-<name>-<key>.npy cache (before `RowFeatures`): the weights and the padded tokens."""
     h = weights.copy()
     h.update(tokens_NS.tobytes())
     return h.hexdigest()[:12]
 
 
-def _feature_files(name: str, key: str, N: int, S: int, F: int, soft_k: int) -> dict[str, tuple]:
-    """{what: (file name, shape, dtype)} of one feature cache."""
-    files = {"taps": (f"taps-{name}-{key}.npy", (N, S, F), np.float32)}
+def _feature_files(name: str, key: str, N: int, S: int, F: int, soft_k: int, total: int | None = None
+                   ) -> dict[str, tuple]:
+    """{what: (file name, shape, dtype)} of one feature cache: its rows' real positions back to back ([total, F],
+    `RowFeatures`), or with total None a padded cache of before ([N, S, F])."""
+    files = ({"taps": (f"taps-{name}-{key}.npy", (N, S, F), np.float32)} if total is None else
+             {"taps": (f"rows-{name}-{key}.npy", (total, F), np.float32)})
     if soft_k:
         files["soft_ids"] = (f"soft{soft_k}-ids-{name}-{key}.npy", (N, S, soft_k), np.int32)
         files["soft_p"] = (f"soft{soft_k}-p-{name}-{key}.npy", (N, S, soft_k), np.float32)
     return files
 
 
-def _open_features(cache_dir: Path, files: dict[str, tuple]) -> dict[str, np.ndarray] | None:
-    """The cache's memmaps, or None when a file is absent, damaged or of another shape."""
+def _open_features(cache_dir: Path, files: dict[str, tuple], seqs: Sequences | None = None) -> dict | None:
+    """The cache's memmaps (its rows' taps as a `RowFeatures` of seqs' rows), or None when a file is absent,
+    damaged or of another shape."""
     out = {}
     for what, (file, shape, dtype) in files.items():
         try:
@@ -388,26 +441,48 @@ def _open_features(cache_dir: Path, files: dict[str, tuple]) -> dict[str, np.nda
         if got.shape != shape or got.dtype != dtype:
             return None
         out[what] = got
+    if seqs is not None and out["taps"].ndim == 2:
+        out["taps"] = RowFeatures(out["taps"], seqs.lengths, seqs.seq_len)
     return out
 
 
 def _earlier_rows(cache_dir: Path, name: str, weights, seqs: Sequences, F: int,
-                  soft_k: int) -> tuple[int, dict[str, np.ndarray]]:
-    """(n, memmaps) of the largest earlier cache in cache_dir whose data was this data's first n rows (as
-    `Sequences.concat` padded them then), under the same weights and tap ids; (0, {}) if none. Its key, recomputed
-    from the first n rows, proves the match."""
+                  soft_k: int) -> tuple[int, dict]:
+    """(n, features) of the largest earlier cache in cache_dir whose data was this data's first n rows (padded
+    as `Sequences.concat` padded them then, for a padded cache), under the same weights and tap ids; (0, {}) if
+    none. Its key, recomputed from the first n rows, proves the match."""
     N, S = seqs.tokens.shape
+    offsets = np.cumsum(seqs.lengths.astype(np.int64))
     best = (0, {})
-    for path in cache_dir.glob(f"taps-{name}-*.npy"):
+    for path in sorted(cache_dir.glob(f"rows-{name}-*.npy")):
+        try:
+            total = np.load(path, mmap_mode="r").shape[0]
+        except (OSError, ValueError):
+            continue
+        n = int(np.searchsorted(offsets, total)) + 1  # the rows whose positions fill `total`
+        if not best[0] < n < N or offsets[n - 1] != total:
+            continue
+        key, width = _rows_key(weights, seqs, n), S
+        if soft_k:  # the soft targets are padded to the earlier data's width
+            try:
+                width = np.load(cache_dir / _feature_files(name, key, n, S, F, soft_k)["soft_ids"][0],
+                                mmap_mode="r").shape[1]
+            except (OSError, ValueError, IndexError):
+                continue
+        first = Sequences(seqs.tokens[:n, :width], seqs.prompt_lens[:n], seqs.lengths[:n])
+        got = _open_features(cache_dir, _feature_files(name, key, n, width, F, soft_k, total), first)
+        if got is not None:
+            best = (n, got)
+    for path in sorted(cache_dir.glob(f"taps-{name}-*.npy")):
         try:
             n, width = np.load(path, mmap_mode="r").shape[:2]
         except (OSError, ValueError):
             continue
-        if not best[0] < n < N or (width < S and np.any(seqs.tokens[:n, width:] != PAD_ID)):
+        if not best[0] < n <= N or (width < S and np.any(seqs.tokens[:n, width:] != PAD_ID)):  # n = N: convert
             continue
         tokens = np.full((n, width), PAD_ID, seqs.tokens.dtype)
         tokens[:, :min(width, S)] = seqs.tokens[:n, :min(width, S)]
-        got = _open_features(cache_dir, _feature_files(name, _feature_key(weights, tokens), n, width, F, soft_k))
+        got = _open_features(cache_dir, _feature_files(name, _padded_key(weights, tokens), n, width, F, soft_k))
         if got is not None:
             best = (n, got)
     return best

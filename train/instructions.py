@@ -13,7 +13,10 @@ are not any benchmark's. They are made from:
 * English prose: paragraphs of stdlib module docstrings, of the `pydoc`
   topics (`pydoc_data.topics`) and of the text files under /usr/share/doc,
   as summarise / explain / list-the-facts / questions-and-answers tasks
-  (`passage`), and "explain <pydoc topic title>" (`topic`).
+  (`passage`), and "explain <pydoc topic title>" (`topic`);
+* on request (`--packages jax,flax`, a set's `more_prompts` with "packages"),
+  the code tasks of installed packages' sources: the stdlib has fewer than a
+  thousand train-split functions to write, these have thousands more.
 
 HumanEval is kept out: a candidate is dropped when its item's name or any
 `def`/`class` name in its text is one of HumanEval's entry points or helper
@@ -35,6 +38,7 @@ only picks which candidates are drawn (a fixed mix of kinds, `KIND_WEIGHTS`).
     python -m train.instructions --out prompts.jsonl --count 6000 --seed 0 [--split train]
     python -m train.instructions --out prompts.jsonl --count 6000 --chat-target model.gguf --max-prompt-tokens 192
     python -m train.instructions --stats
+    python -m train.instructions --stats --packages jax,flax,optax,chex --kinds write_function,complete
 
 Output: one `{"id": ..., "messages": [{"role": "user", "content": ...}]}` per line; with
 `--chat-target`, one `{"id": ..., "prompt": <the turn rendered by the target's chat template>}`.
@@ -47,6 +51,8 @@ import ast
 import dataclasses
 import gzip
 import hashlib
+import importlib.metadata
+import importlib.util
 import inspect
 import json
 import random
@@ -391,14 +397,15 @@ def doc_files(doc_dirs: Iterable[Path]) -> list[tuple[str, Path]]:
 # --------------------------------------------------------------------------- the pool and a drawn set
 
 
-def candidates(stdlib: Path | None = None, doc_dirs: Iterable[Path] = DOC_DIRS, pydoc_topics: bool = True,
-               guard: HumanEvalGuard | None = None, limits: Limits = Limits()) -> list[Instruction]:
-    """Every candidate (all splits), deduplicated by content, HumanEval overlaps dropped; in source order."""
-    guard = HumanEvalGuard.installed() if guard is None else guard
-    seen: set[str] = set()
-    out = []
+class _Pool:
+    """Candidates in source order, deduplicated by content, HumanEval overlaps dropped."""
 
-    def add(items: Iterable[Instruction]) -> None:
+    def __init__(self, guard: HumanEvalGuard | None):
+        self.guard = HumanEvalGuard.installed() if guard is None else guard
+        self.seen: set[str] = set()
+        self.out: list[Instruction] = []
+
+    def add(self, items: Iterable[Instruction]) -> None:
         # The tasks of one item (a function, class or paragraph) go together: if one of them overlaps
         # HumanEval, the item is HumanEval-like and none is kept (its docstring-free variant included).
         by_item: dict[str, list[Instruction]] = {}
@@ -406,45 +413,102 @@ def candidates(stdlib: Path | None = None, doc_dirs: Iterable[Path] = DOC_DIRS, 
             by_item.setdefault(ins.id.split(":", 1)[1], []).append(ins)
         for item, group in by_item.items():
             name = item.rsplit(":", 1)[-1] if group[0].kind != "passage" else None
-            if any(guard.overlaps(ins.content, name) for ins in group):
+            if any(self.guard.overlaps(ins.content, name) for ins in group):
                 continue
             for ins in group:
-                if ins.content not in seen:
-                    seen.add(ins.content)
-                    out.append(ins)
+                if ins.content not in self.seen:
+                    self.seen.add(ins.content)
+                    self.out.append(ins)
 
+
+def _is_test_file(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(_TEST_DIRS.intersection(parts[:-1])) or parts[-1].startswith("test_")
+
+
+def candidates(stdlib: Path | None = None, doc_dirs: Iterable[Path] = DOC_DIRS, pydoc_topics: bool = True,
+               guard: HumanEvalGuard | None = None, limits: Limits = Limits()) -> list[Instruction]:
+    """Every candidate (all splits), deduplicated by content, HumanEval overlaps dropped; in source order."""
+    pool = _Pool(guard)
     for f in list_stdlib_files(stdlib_root() if stdlib is None else stdlib):
-        if _TEST_DIRS.intersection(f.rel.split("/")[:-1]) or f.rel.split("/")[-1].startswith("test_"):
+        if _is_test_file(f.rel):
             continue
         text = f.read_text()
         if text is None:
             continue
         source = f"stdlib:{f.rel}"
-        add(code_candidates(source, text, limits))
+        pool.add(code_candidates(source, text, limits))
         try:
             module_doc = ast.get_docstring(ast.parse(text))
         except (SyntaxError, ValueError):
             module_doc = None
         if module_doc:
-            add(passage_candidates(source, module_doc, limits))
+            pool.add(passage_candidates(source, module_doc, limits))
     if pydoc_topics:
-        add(topic_candidates())
+        pool.add(topic_candidates())
     for key, path in doc_files(doc_dirs):
         text = _read_doc(path)
         if text is not None:
-            add(passage_candidates(key, text, limits))
-    return out
+            pool.add(passage_candidates(key, text, limits))
+    return pool.out
 
 
-def draw(pool: list[Instruction], split: str, count: int | None, seed: int = 0) -> list[Instruction]:
-    """`count` instructions of one split (None: all), mixed by KIND_WEIGHTS, in seeded random order.
+def package_root(name: str) -> Path:
+    """The source directory of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"no installed package {name!r} to draw prompts from (a package directory that "
+                         f"`import {name}` finds); install it or leave it out")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def package_candidates(packages: Iterable[str], guard: HumanEvalGuard | None = None,
+                       limits: Limits = Limits()) -> list[Instruction]:
+    """The code tasks of installed packages' sources (their test suites skipped), all splits, in source order:
+    more code to write than the stdlib has. A file's split key is "pkg:<package>/<path in the package>", so the
+    draw depends on the packages' versions (pin them: the set's legs name packages `pyproject.toml` pins)."""
+    pool = _Pool(guard)
+    for name in packages:
+        root = package_root(name)
+        for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+            rel = path.relative_to(root).as_posix()
+            if _is_test_file(rel) or not path.is_file():
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            pool.add(code_candidates(f"pkg:{name}/{rel}", text, limits))
+    return pool.out
+
+
+def draw(pool: list[Instruction], split: str, count: int | None, seed: int = 0,
+         kinds: Iterable[str] | None = None) -> list[Instruction]:
+    """`count` instructions of one split (None: all), mixed by KIND_WEIGHTS, in seeded random order; `kinds`:
+    only these kinds (default: all), mixed by their weights.
 
     Each kind's candidates are shuffled by (seed, kind) and its quota taken
     from the front, so a larger count extends a smaller one kind by kind.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    by_kind = {k: [c for c in pool if c.kind == k and c.split == split] for k in KINDS}
+    kinds = KINDS if kinds is None else tuple(kinds)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"unknown prompt kind {unknown[0]!r}; use some of {', '.join(KINDS)}" if unknown
+                         else "no prompt kinds to draw; name at least one")
+    kinds = tuple(k for k in KINDS if k in kinds)
+    by_kind = {k: [c for c in pool if c.kind == k and c.split == split] for k in kinds}
     for k, items in by_kind.items():
         random.Random(f"{seed}:{k}").shuffle(items)
     total = sum(map(len, by_kind.values()))
@@ -455,10 +519,10 @@ def draw(pool: list[Instruction], split: str, count: int | None, seed: int = 0) 
     if count > total:
         raise ValueError(f"asked for {count} instructions but split {split!r} has {total}; lower --count")
     # Quotas by weight; a kind short of its quota hands the rest to the kinds that still have candidates.
-    take = dict.fromkeys(KINDS, 0)
+    take = dict.fromkeys(kinds, 0)
     left = count
     while left:
-        open_kinds = [k for k in KINDS if take[k] < len(by_kind[k])]
+        open_kinds = [k for k in kinds if take[k] < len(by_kind[k])]
         weight = sum(KIND_WEIGHTS[k] for k in open_kinds)
         grant = {k: min(len(by_kind[k]) - take[k], int(left * KIND_WEIGHTS[k] / weight)) for k in open_kinds}
         if not any(grant.values()):  # rounding left a few: one each, heaviest kinds first
@@ -467,7 +531,7 @@ def draw(pool: list[Instruction], split: str, count: int | None, seed: int = 0) 
         for k, g in grant.items():
             take[k] += g
             left -= g
-    chosen = [c for k in KINDS for c in by_kind[k][: take[k]]]
+    chosen = [c for k in kinds for c in by_kind[k][: take[k]]]
     random.Random(seed).shuffle(chosen)
     return chosen
 
@@ -514,6 +578,13 @@ def render_prompts(instructions: list[Instruction], target, max_prompt_tokens: i
     return out, dropped
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one name (comma-separated)")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.instructions", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="JSONL file to write ({\"id\", \"messages\"} per line)")
@@ -522,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=SPLITS, default="train",
                    help="train (distillation), validation, traces (TAPS scorer traces), heldout (benchmarks)")
     p.add_argument("--stats", action="store_true", help="print candidates per split and kind, then exit")
+    p.add_argument("--packages", type=_names, default=None,
+                   help="comma-separated installed packages (jax,flax,optax,chex): draw code tasks from their "
+                        "sources instead of the stdlib and the docs")
+    p.add_argument("--kinds", type=_names, default=None,
+                   help=f"comma-separated kinds to draw (default: all of {','.join(KINDS)})")
     p.add_argument("--chat-target", type=Path, default=None,
                    help="render each user turn with this target's chat template: {\"id\", \"prompt\"} lines "
                         "(text prompts for python -m train.distill --prompts)")
@@ -529,16 +605,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --chat-target: drop rendered prompts longer than this many tokens")
     args = p.parse_args(argv)
     try:
-        pool = candidates()
+        pool = candidates() if args.packages is None else package_candidates(args.packages)
+        if args.packages is not None:
+            print("packages: " + ", ".join(f"{n} {package_version(n)}" for n in args.packages))
         if args.stats or args.out is None:
             print(f"{len(pool)} candidates")
             for split in SPLITS:
-                counts = {k: sum(c.kind == k and c.split == split for c in pool) for k in KINDS}
+                counts = {k: sum(c.kind == k and c.split == split for c in pool) for k in args.kinds or KINDS}
                 print(f"{split:>10}: {sum(counts.values()):6d}  " + "  ".join(f"{k} {v}" for k, v in counts.items()))
             if args.out is None and not args.stats:
                 print("pass --out FILE to write a set", file=sys.stderr)
             return 0
-        drawn = draw(pool, args.split, args.count, args.seed)
+        drawn = draw(pool, args.split, args.count, args.seed, args.kinds)
         if args.chat_target is None:
             n = write_jsonl(args.out, drawn)
             print(f"wrote {n} {args.split} instructions to {args.out}")

@@ -52,6 +52,7 @@ from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
 from taps_jax.tree.lookup import LOOKUP_FILE
 
+from train.instructions import KINDS
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
 STAGES = ("prompts", "drafter", "answers", "state", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
@@ -77,7 +78,8 @@ class SetSpec:
     drafter_legs: list = dataclasses.field(default_factory=list)  # presets of the legs after drafter_preset's
     drafter_state: str = ""  # the last finished leg's drafter (to commit): a name under configs/sets/, or a path
     more_prompts: dict = dataclasses.field(default_factory=dict)  # {"k": n}: from leg k on, the chain also trains
-    # on the answers to n more train-split prompts, drawn after the ones before
+    # on the answers to n more train-split prompts, drawn after the ones before; {"k": {"count": n, "packages": [..],
+    # "kinds": [..]}}: n code tasks from installed packages' sources instead (`instructions.package_candidates`)
     comment: str = ""
 
     @classmethod
@@ -108,8 +110,7 @@ class SetSpec:
                 raise ValueError(f"{path}: more_prompts has leg {leg!r}; its keys are leg numbers of drafter_legs, "
                                  f"2 to {len(spec.legs())} (leg 1 trains on the train split's prompts; a later leg may "
                                  f"add more)")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{path}: more_prompts[{leg!r}] must be a positive number of prompts, got {n!r}")
+            _check_more(f"{path}: more_prompts[{leg!r}]", n)
         return spec
 
     def target_path(self) -> Path:
@@ -136,12 +137,50 @@ class SetSpec:
         last = len(self.legs()) if k is None else k
         return [leg_prompts(work, j) for j in range(2, last + 1) if self.more_at(j)]
 
-    def more_at(self, k: int) -> int:
-        """How many train-split prompts leg k adds (0: none)."""
+    def more_at(self, k: int) -> int | dict:
+        """What leg k adds: a number of stdlib train-split prompts, a {"count", "packages", "kinds"} draw, or 0."""
         return self.more_prompts.get(str(k), 0)
+
+    def more_draws(self) -> list[tuple[int, tuple, int, int]]:
+        """(leg, pool, first, end) of each leg that adds prompts: the leg's prompts are the end - first that a
+        draw of `end` from the pool has and a draw of `first` has not. pool: () for the stdlib's train split
+        (leg 1 draws its first prompts), else (packages, kinds); the legs that draw from one pool continue it."""
+        drawn, out = {(): self.prompts["counts"]["train"]}, []
+        for k in range(2, len(self.legs()) + 1):
+            more = self.more_at(k)
+            if more:
+                pool = () if isinstance(more, int) else (
+                    tuple(more["packages"]), tuple(k for k in KINDS if k in more.get("kinds", ())))
+                count = more if isinstance(more, int) else more["count"]
+                first = drawn.get(pool, 0)
+                drawn[pool] = first + count
+                out.append((k, pool, first, first + count))
+        return out
 
     def assets_dir(self) -> Path:
         return ASSETS / self.assets if len(Path(self.assets).parts) == 1 else Path(self.assets)
+
+
+def _check_more(where: str, more) -> None:
+    """A leg's added prompts: a positive count, or {"count": n, "packages": [names], "kinds": [kinds] (optional)}."""
+    def count_ok(n):
+        return not isinstance(n, bool) and isinstance(n, int) and n >= 1
+
+    if isinstance(more, dict):
+        unknown = sorted(set(more) - {"count", "packages", "kinds"})
+        packages, kinds = more.get("packages"), more.get("kinds", list(KINDS))
+        if unknown:
+            raise ValueError(f"{where} has unknown key {unknown[0]!r}; known: count, packages, kinds")
+        if not count_ok(more.get("count")):
+            raise ValueError(f"{where}: count must be a positive number of prompts, got {more.get('count')!r}")
+        if not (isinstance(packages, list) and packages and all(isinstance(n, str) and n for n in packages)):
+            raise ValueError(f"{where}: packages must be a list of installed package names (e.g. [\"jax\", "
+                             f"\"flax\"]), got {packages!r}")
+        if not (isinstance(kinds, list) and kinds and set(kinds) <= set(KINDS)):
+            raise ValueError(f"{where}: kinds must be a list of some of {', '.join(KINDS)}, got {kinds!r}")
+    elif not count_ok(more):
+        raise ValueError(f"{where} must be a positive number of prompts or {{\"count\": n, \"packages\": [...]}}, "
+                         f"got {more!r}")
 
 
 def _committed(name: str) -> Path | None:
@@ -236,26 +275,29 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
     assets = spec.assets_dir()
     if name == "prompts":
         p = spec.prompts
-        # Each leg that adds prompts draws the train split at a larger count and keeps what the draws before did
-        # not have (a larger count extends a smaller one, `instructions.draw`).
-        counts, before = [], p["counts"]["train"]
-        for k in range(2, len(spec.legs()) + 1):
-            if spec.more_at(k):
-                counts.append((leg_prompts(work, k), before, before + spec.more_at(k)))
-                before += spec.more_at(k)
+        # Each leg that adds prompts draws its pool's train split at a larger count and keeps what the draws before
+        # did not have (a larger count extends a smaller one, `instructions.draw`).
         todo = [split for split in SPLITS if not _done(work / f"prompts_{split}.jsonl", f"prompts ({split})")]
-        more = [c for c in counts if not _done(c[0], f"prompts ({c[0].stem.removeprefix('prompts_')})")]
+        more = [d for d in spec.more_draws() if not _done(leg_prompts(work, d[0]), f"prompts (train_leg{d[0]})")]
         if todo or more:  # what `python -m train.instructions --split S --count N --seed S --chat-target T` writes
             from taps_jax.api import load_target
             from train import instructions
 
-            pool, target = instructions.candidates(), load_target(spec.target_path())
-            jobs = [(work / f"prompts_{split}.jsonl", instructions.draw(pool, split, p["counts"][split], p["seed"]))
-                    for split in todo]
-            for file, lo, hi in more:
-                earlier = {ins.id for ins in instructions.draw(pool, "train", lo, p["seed"])}
-                jobs.append((file, [ins for ins in instructions.draw(pool, "train", hi, p["seed"])
-                                    if ins.id not in earlier][:hi - lo]))
+            target, seed, pools = load_target(spec.target_path()), p["seed"], {}
+
+            def draw(key: tuple, split: str, count: int) -> list:
+                if key not in pools:
+                    if key:
+                        print("[recipe] prompts: code tasks from " + ", ".join(
+                            f"{n} {instructions.package_version(n)}" for n in key[0]), flush=True)
+                    pools[key] = instructions.package_candidates(key[0]) if key else instructions.candidates()
+                return instructions.draw(pools[key], split, count, seed, (key[1] or None) if key else None)
+
+            jobs = [(work / f"prompts_{split}.jsonl", draw((), split, p["counts"][split])) for split in todo]
+            for k, key, first, end in more:
+                earlier = {ins.id for ins in draw(key, "train", first)} if first else set()
+                jobs.append((leg_prompts(work, k), [ins for ins in draw(key, "train", end)
+                                                    if ins.id not in earlier][:end - first]))
             for file, drawn in jobs:
                 records, dropped = instructions.render_prompts(drawn, target, p["max_prompt_tokens"])
                 instructions.write_records(file, records)
@@ -460,6 +502,12 @@ def main(argv=None) -> int:
         for out in (work, spec.assets_dir()):
             check_output_path(out, directory=True)  # before any stage runs
         spec.target_path()  # the target is installed and intact
+        if "prompts" in stages:  # the packages that legs still to draw take their prompts from are installed
+            from train.instructions import package_root
+
+            for k, key, _, _ in spec.more_draws():
+                for name in key[0] if key and not leg_prompts(work, k).exists() else ():
+                    package_root(name)
         compile_cache.setup(args)
     except ValueError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
