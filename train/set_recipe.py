@@ -52,7 +52,7 @@ from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
 from taps_jax.tree.lookup import LOOKUP_FILE
 
-from train.instructions import KINDS
+from train.instructions import KINDS, package_root
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
 STAGES = ("prompts", "drafter", "answers", "state", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
@@ -150,7 +150,7 @@ class SetSpec:
             more = self.more_at(k)
             if more:
                 pool = () if isinstance(more, int) else (
-                    tuple(more["packages"]), tuple(k for k in KINDS if k in more.get("kinds", ())))
+                    tuple(more["packages"]), tuple(kind for kind in KINDS if kind in more.get("kinds", ())))
                 count = more if isinstance(more, int) else more["count"]
                 first = drawn.get(pool, 0)
                 drawn[pool] = first + count
@@ -503,8 +503,6 @@ def main(argv=None) -> int:
             check_output_path(out, directory=True)  # before any stage runs
         spec.target_path()  # the target is installed and intact
         if "prompts" in stages:  # the packages that legs still to draw take their prompts from are installed
-            from train.instructions import package_root
-
             for k, key, _, _ in spec.more_draws():
                 for name in key[0] if key and not leg_prompts(work, k).exists() else ():
                     package_root(name)
