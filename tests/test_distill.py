@@ -284,6 +284,21 @@ def test_resume_gives_identical_next_step_loss(setup, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_data_seed_draws_other_rows_and_anchors_alone(setup):
+    """A leg's own data seed reorders its batches; the weights' initialisation and the answers keep the seed."""
+    target, seqs = setup
+    drafter = tiny_drafter(target)
+    base = D.setup(target, drafter, seqs, config(4), D.distill_optim(4)).batches
+    own = D.setup(target, drafter, seqs, config(4, data_seed=7), D.distill_optim(4)).batches
+    same = D.setup(target, drafter, seqs, config(4, data_seed=0), D.distill_optim(4)).batches
+    assert (own.seed, base.seed, same.seed) == (7, 0, 0)
+    rows = lambda b: np.concatenate([b.rows_at(s) for s in range(len(seqs) // b.B)])
+    assert sorted(rows(own)) == sorted(rows(base)) and rows(own).tolist() != rows(base).tolist()  # one epoch each
+    assert rows(same).tolist() == rows(base).tolist()
+    with pytest.raises(ValueError, match="data_seed must be a non-negative integer"):
+        config(4, data_seed=-1)
+
+
 def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     """Precomputed tap features give the losses and params of the in-step forward; a rerun reuses the file."""
     target, seqs = setup

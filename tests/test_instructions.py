@@ -185,6 +185,26 @@ def test_tasks_are_well_formed(pool):
     assert "frobnicator reads a stream" in passages[0].content and "$ frob" not in passages[0].content
 
 
+def test_code_tasks_carry_their_source_as_an_answer(pool, problems):
+    """write_function / complete / write_class tasks carry the source they were made from, as a fenced reply:
+    what a leg trains on as given text; the guard drops answers that overlap HumanEval."""
+    answered = [c for c in pool if c.answer]
+    assert {c.kind for c in answered} == set(I.ANSWERED_KINDS)
+    assert all(not c.answer for c in pool if c.kind not in I.ANSWERED_KINDS)
+    for c in answered:
+        assert c.answer.startswith("```python\n") and c.answer.endswith("\n```")
+        code = c.answer.removeprefix("```python\n").removesuffix("```")
+        compile(code, c.id, "exec")  # a whole function or class
+        assert code.startswith(("def ", "async def ", "class ")) and c.id.rsplit(":", 1)[-1] in code.split("(")[0]
+    he = problems[0]
+    planted = I.Instruction("write_function:x:1:f", "write_function", "x", "Write f.",
+                            f"```python\n{he['prompt']}{he['canonical_solution']}```")
+    kept, dropped = I.without_humaneval_answers([planted, *answered[:3]])
+    assert kept == answered[:3] and dropped == 1
+    with pytest.raises(ValueError, match="has no answer of its own; only write_function, complete, write_class"):
+        I.render_prompts([c for c in pool if c.kind == "explain_code"][:1], None, answers=True)
+
+
 def test_records_and_errors(tmp_path, pool):
     path = tmp_path / "out.jsonl"
     n = I.write_jsonl(path, I.draw(pool, "train", 20, seed=1))

@@ -146,12 +146,23 @@ def test_more_prompts_add_an_answer_set_of_their_own(hf_target, tmp_path, capsys
     rc = traces.main(["--target", str(hf_target), "--drafter", str(second / "export"), "--prompts", str(more),
                       "--out", str(tmp_path / "tr"), "--pool-width", "4", "--pool-k", "4", "--budget", "4"])
     assert rc == 2 and "distilled on" in capsys.readouterr().err
-    # Refused before the target loads: a line in two files, pairs beside bare prompts, no --prompts.
+    # A file of prompt + response pairs beside the target's answers is trained on as given text, generating nothing.
+    pairs = write_prompts(tmp_path / "pairs.jsonl", 4, seed=13, response=True)
+    third = tmp_path / "third"
+    third.mkdir()
+    (third / "data").symlink_to(first / "data")
+    assert distill.main(base + ["--out", str(third), "--more-prompts", str(more), str(pairs)]) == 0
+    out = capsys.readouterr().out
+    assert "train: 6 cached target continuations" in out and "train: 22 sequences" in out
+    assert len(list((first / "data").glob("train-*/lengths.npy"))) == 2  # no answer set for the pairs
+    # Refused before the target loads: a line in two files, a file half pairs, no --prompts.
     again = tmp_path / "again.jsonl"
     again.write_text(more.read_text().splitlines()[0] + "\n" + val.read_text().splitlines()[0] + "\n")
     assert "also in" in _refusal(capsys, base + ["--out", str(tmp_path / "o"), "--more-prompts", str(again)])
-    pairs = write_prompts(tmp_path / "pairs.jsonl", 4, seed=13, response=True)
-    assert "responses" in _refusal(capsys, base + ["--out", str(tmp_path / "o"), "--more-prompts", str(pairs)])
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(pairs.read_text() + more.read_text().splitlines()[1] + "\n")
+    assert "4 of 5 lines have a response; give a response on every line" in _refusal(
+        capsys, base + ["--out", str(tmp_path / "o"), "--more-prompts", str(mixed)])
     assert "--more-prompts goes with --prompts" in _refusal(
         capsys, ["--target", str(hf_target), "--out", str(tmp_path / "o"), "--corpus", str(tmp_path),
                  "--more-prompts", str(more)])

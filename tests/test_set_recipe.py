@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -122,6 +123,22 @@ def test_set_recipe_builds_a_set_that_decodes_losslessly(tmp_path, capsys):
     assert set_recipe.committed_legs(with_more) == 2
 
 
+def test_a_state_recorded_before_a_setting_existed_matches_its_default():
+    """A committed leg's record lacks the fields added since; they stand for their defaults, nothing else does."""
+    recorded = set_recipe._leg_settings("tiny")
+    older = copy.deepcopy(recorded)
+    del older["train"]["data_seed"]
+    assert set_recipe._same_settings(recorded, "tiny") and set_recipe._same_settings(older, "tiny")
+    for section, key, value in (("train", "data_seed", 7), ("train", "steps", recorded["train"]["steps"] + 1)):
+        changed = copy.deepcopy(older)
+        changed[section][key] = value
+        assert not set_recipe._same_settings(changed, "tiny")
+    # The committed SmolLM2 chain was recorded before data_seed existed and is still this set's.
+    spec = set_recipe.SetSpec.read("smollm2")
+    done = json.loads((spec.state_dir() / set_recipe.LEGS_FILE).read_text())["legs"]
+    assert set_recipe.committed_legs(spec) == len(done) >= 7
+
+
 def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
     assert set_recipe.main(["--set", "nosuchset"]) == 2
     assert "no set 'nosuchset'" in capsys.readouterr().err
@@ -138,6 +155,10 @@ def test_set_recipe_refuses_an_unknown_set_or_stage(tmp_path, capsys):
     ({"2": {"count": 0, "packages": ["jax"]}}, "count must be a positive number of prompts, got 0"),
     ({"2": {"count": 8, "packages": ["jax"], "kinds": ["poem"]}}, "kinds must be a list of some of write_function"),
     ({"2": {"count": 8, "packages": ["jax"], "kind": ["complete"]}}, "unknown key 'kind'; known: count, packages"),
+    ({"2": {"count": 8, "packages": ["jax"], "answers": "human"}}, "answers must be one of target, source"),
+    ({"2": {"count": 8, "packages": ["jax"], "kinds": ["explain_code"], "answers": "source"}},
+     r"answers \"source\" needs kinds with a source of their own"),
+    ({"2": {"count": 8, "packages": ["jax"], "answers": "source"}}, "needs kinds with a source of their own"),
 ])
 def test_set_recipe_refuses_bad_added_prompts(tmp_path, capsys, more, message):
     spec = tiny_set(tmp_path)
@@ -159,7 +180,7 @@ def test_legs_add_code_tasks_from_installed_packages(tmp_path, monkeypatch, caps
     spec, work = tiny_set(tmp_path), tmp_path / "work"
     raw = json.loads(spec.read_text())
     code = {"count": 2, "packages": ["pkgdemo"], "kinds": ["complete", "write_function"]}
-    raw["drafter_legs"], raw["more_prompts"] = ["tiny"] * 3, {"2": code, "3": 4, "4": code}
+    raw["drafter_legs"], raw["more_prompts"] = ["tiny"] * 3, {"2": code, "3": 4, "4": {**code, "answers": "source"}}
     spec.write_text(json.dumps(raw))
     assert [d[1:] for d in set_recipe.SetSpec.read(str(spec)).more_draws()] == [
         ((("pkgdemo",), ("write_function", "complete")), 0, 2), ((), 16, 20),
@@ -170,7 +191,14 @@ def test_legs_add_code_tasks_from_installed_packages(tmp_path, monkeypatch, caps
            for k in ("train", "train_leg2", "train_leg3", "train_leg4")}
     for k in ("train_leg2", "train_leg4"):
         assert len(ids[k]) == 2 and all(re.match(r"(write_function|complete):pkg:pkgdemo/", i) for i in ids[k])
-    assert not set(ids["train_leg2"]) & set(ids["train_leg4"])
+    assert not set(ids["train_leg2"]) & set(ids["train_leg4"])  # leg 4 continues leg 2's draw
+    # Leg 4's tasks are answered by their own source: each line's response is the function it was drawn from.
+    given = [json.loads(line) for line in (work / "prompts_train_leg4.jsonl").open()]
+    sources = {p.name: p.read_text() for p in (site / "pkgdemo").rglob("*.py")}
+    for r in given:
+        code = r["response"].removeprefix("```python\n").removesuffix("```")
+        assert code.startswith("def ") and any(code.splitlines()[1] in text for text in sources.values())
+    assert all("response" not in json.loads(line) for line in (work / "prompts_train_leg2.jsonl").open())
     assert len(ids["train_leg3"]) == 4 and all(":stdlib:" in i for i in ids["train_leg3"])
     assert not set(ids["train_leg3"]) & set(ids["train"])
     raw["more_prompts"]["2"]["packages"] = ["nosuchpkg"]  # refused before the target loads or anything is drawn

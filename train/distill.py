@@ -181,6 +181,9 @@ class DistillConfig:
     anchor_region: str = option("continuation", "where blocks may start: in the target's continuation "
                                 "(labels are target tokens) or anywhere", choices=ANCHOR_REGIONS)
     seed: int = option(0, "initialisation, data order and sampling seed")
+    data_seed: int | None = option(None, "seed of the training batches' order and anchors alone (default: seed); "
+                                         "a leg that trains again on its predecessor's answers sets its own, so "
+                                         "it draws other rows without regenerating them")
     log_every: int = option(10, "log every N steps")
     eval_every: int = option(250, "validate every N steps (0: only at the end)")
     checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
@@ -199,6 +202,9 @@ class DistillConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        d = self.data_seed
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"data_seed must be a non-negative integer (or null: the seed), got {d!r}")
         if self.anchor_region not in ANCHOR_REGIONS:
             raise ValueError(f"anchor_region must be one of {ANCHOR_REGIONS}, got {self.anchor_region!r}")
         k = self.soft_top_k
@@ -333,7 +339,8 @@ def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: Disti
     loss_fn = make_loss_fn(forward, config.soft_weight)
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
-                            config.anchor_region, config.seed, taps=taps, soft=soft)
+                            config.anchor_region, config.seed if config.data_seed is None else config.data_seed,
+                            taps=taps, soft=soft)
     return DistillSetup(graphdef, buffers, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
                       loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
@@ -431,9 +438,10 @@ def parse_args(argv):
                           "split, validation prompts of its --val-split (split by file path hash)")
     add_flags(p, DistillSettings)  # every preset setting, with its help and default, from the dataclasses
     p.add_argument("--more-prompts", type=Path, nargs="+", default=[], metavar="FILE",
-                   help="more training prompts beside --prompts, in its format (every line used): each file is "
-                        "continued as an answer set of its own, cached under its own key, so adding a file to a "
-                        "run reuses the answers of the files it had")
+                   help="more training data beside --prompts, in its format (every line used): a file of prompts "
+                        "is continued by the target as an answer set of its own, cached under its own key, so adding "
+                        "a file to a run reuses the answers of the files it had; a file whose lines all have "
+                        "responses is trained on as given (teacher-forced text, no generation)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     p.add_argument("--export-only", action="store_true", help="export the best (else latest) checkpoint and exit")
     p.add_argument("--bench", type=int, default=0, metavar="N",
@@ -496,9 +504,6 @@ def read_data(args, data: dict, seed: int) -> tuple[list[Example], list[Example]
             if again is not None:
                 raise ValueError(f"--more-prompts {path}: a line of it is also in {seen[again.key]} (and maybe more); "
                                  f"each prompt may be in one file only, so remove it from one")
-            if any(e.has_response != train[0].has_response for e in examples):
-                raise ValueError(f"--more-prompts {path}: its lines must have responses if --prompts {args.prompts} "
-                                 f"has them, and none if it has none")
             seen.update({e.key: path for e in examples})
             more.append(examples)
         return train, val, more
@@ -708,28 +713,27 @@ def run(config: DistillRun, mesh=None) -> Path | None:
     # Rows are as wide as the longest prompt + gen_tokens, so a few long prompts would pad every row: keep
     # their last max_prompt_tokens (the default set's prompts: 25 tokens on average, 69 at the 99th percentile).
     cut = data.max_prompt_tokens
-    if pairs[0][1] is not None:  # responses given: no generation
-        train_seqs = Sequences.concat([sequences_from_pairs(group, data.gen_tokens, cut)
-                                       for group in (pairs, *more_pairs)])
-        val_seqs = sequences_from_pairs(val_pairs, data.gen_tokens, cut) if val_pairs else None
-    else:
-        gen = dict(batch_size=data.gen_batch_size, temperature=data.temperature, cache_dir=args.out / "data")
-        # One answer set per file, each cached under its own key: a file added later adds its answers only.
-        train_seqs = Sequences.concat([
-            generate_sequences(target, [p[-cut:] if cut else p for p, _ in group], data.gen_tokens,
-                               greedy_fraction=data.greedy_fraction, seed=config.seed, name="train", **gen)
-            for group in (pairs, *more_pairs)])
-        val_name = data.val_split if args.corpus else "validation"
-        val_seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in val_pairs], data.gen_tokens,
-                                      greedy_fraction=1.0, seed=config.seed + 1, name=val_name,
-                                      **gen) if val_pairs else None
-        cont = np.arange(train_seqs.seq_len)[None] >= train_seqs.prompt_lens[:, None]
-        hits = int(np.sum((train_seqs.tokens == mask) & cont & (np.arange(train_seqs.seq_len)[None]
-                                                                < train_seqs.lengths[:, None])))
+    gen = dict(batch_size=data.gen_batch_size, temperature=data.temperature, cache_dir=args.out / "data")
+
+    def answered(group: list, **options) -> Sequences:
+        """A file's rows: its given responses (teacher-forced text), or the target's answers to its prompts,
+        generated once and cached under the file's own key (a file added later adds its answers only)."""
+        if group[0][1] is not None:
+            return sequences_from_pairs(group, data.gen_tokens, cut)
+        seqs = generate_sequences(target, [p[-cut:] if cut else p for p, _ in group], data.gen_tokens, **options,
+                                  **gen)
+        cont = np.arange(seqs.seq_len)[None] >= seqs.prompt_lens[:, None]
+        hits = int(np.sum((seqs.tokens == mask) & cont & (np.arange(seqs.seq_len)[None] < seqs.lengths[:, None])))
         if hits:
             print(f"warning: the target generated the mask token {mask} {hits} times in its continuations; it "
                   f"is then both a label and the mask (pass --mask-token-id with a token the target never emits)",
                   file=sys.stderr, flush=True)
+        return seqs
+
+    train_seqs = Sequences.concat([answered(group, greedy_fraction=data.greedy_fraction, seed=config.seed,
+                                            name="train") for group in (pairs, *more_pairs)])
+    val_name = data.val_split if args.corpus else "validation"
+    val_seqs = answered(val_pairs, greedy_fraction=1.0, seed=config.seed + 1, name=val_name) if val_pairs else None
     cont = train_seqs.lengths - train_seqs.prompt_lens
     print(f"train: {len(train_seqs)} sequences of width {train_seqs.seq_len}, continuation mean {cont.mean():.0f} "
           f"tokens ({(cont < data.gen_tokens).mean():.0%} stopped at EOS); validation: "

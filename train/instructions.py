@@ -100,6 +100,7 @@ class Instruction:
     kind: str
     source: str  # the split key: the source file
     content: str  # the user turn
+    answer: str = ""  # code tasks that write or complete code: the source itself, as a reply (teacher-forced text)
 
     @property
     def split(self) -> str:
@@ -289,14 +290,14 @@ def code_candidates(source: str, text: str, limits: Limits = Limits()) -> Iterat
             if is_function:
                 sig = f"{node.name}({ast.unparse(node.args)})"
                 yield _make("write_function", source, item, _pick(WRITE_FUNCTION, item).format(
-                    sig=sig, name=node.name, summary=summary))
+                    sig=sig, name=node.name, summary=summary), code)
             else:
                 yield _make("write_class", source, item, _pick(WRITE_CLASS, item).format(
-                    name=node.name, summary=summary))
+                    name=node.name, summary=summary), code)
         if is_function and id(node) in top_level and len(node.body) > 1:
             head = _head(lines, node)
             if len(head) <= limits.max_code_chars:
-                yield _make("complete", source, item, _pick(COMPLETE, item).format(code=head))
+                yield _make("complete", source, item, _pick(COMPLETE, item).format(code=head), code)
         if not (limits.min_code_lines <= n_lines <= limits.max_code_lines and len(code) <= limits.max_code_chars):
             continue
         yield _make("explain_code", source, item, _pick(EXPLAIN_CODE, item).format(code=code.rstrip("\n")))
@@ -307,8 +308,11 @@ def code_candidates(source: str, text: str, limits: Limits = Limits()) -> Iterat
             yield _make("add_docstrings", source, item, _pick(ADD_DOCSTRINGS, item).format(code=bare.rstrip("\n")))
 
 
-def _make(kind: str, source: str, item: str, content: str) -> Instruction:
-    return Instruction(f"{kind}:{item}", kind, source, content)
+def _make(kind: str, source: str, item: str, content: str, code: str = "") -> Instruction:
+    return Instruction(f"{kind}:{item}", kind, source, content, f"```python\n{code}```" if code else "")
+
+
+ANSWERED_KINDS = ("write_function", "complete", "write_class")  # the kinds whose source is their answer
 
 
 # --------------------------------------------------------------------------- prose tasks
@@ -557,12 +561,28 @@ def write_records(path: Path, records: list[dict]) -> None:
     tmp.replace(path)
 
 
-def render_prompts(instructions: list[Instruction], target, max_prompt_tokens: int | None = None
-                   ) -> tuple[list[dict], int]:
+def without_humaneval_answers(instructions: list[Instruction], guard: HumanEvalGuard | None = None
+                              ) -> tuple[list[Instruction], int]:
+    """(the instructions whose answers share no name or 8-word run with HumanEval, how many were dropped): the
+    pool guards the user turns; an answer given to train on is text the drafter learns too."""
+    guard = HumanEvalGuard.installed() if guard is None else guard
+    kept = [ins for ins in instructions if not guard.overlaps(ins.answer)]
+    return kept, len(instructions) - len(kept)
+
+
+def render_prompts(instructions: list[Instruction], target, max_prompt_tokens: int | None = None,
+                   answers: bool = False) -> tuple[list[dict], int]:
     """({"id", "prompt"} records with each user turn rendered by the target's chat template, how many were
     dropped for being longer than max_prompt_tokens): text prompts `train.distill --prompts` continues.
+    answers: each record also has the instruction's own answer as its "response" (the source it was made
+    from), so `train.distill` trains on it as given instead of generating one.
 
     target: a loaded `Target` or its checkpoint path."""
+    if answers:
+        unanswered = next((ins for ins in instructions if not ins.answer), None)
+        if unanswered is not None:
+            raise ValueError(f"the {unanswered.kind} task {unanswered.id!r} has no answer of its own; only "
+                             f"{', '.join(ANSWERED_KINDS)} tasks do")
     from taps_jax.api import Target, load_target
 
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -574,7 +594,7 @@ def render_prompts(instructions: list[Instruction], target, max_prompt_tokens: i
         if max_prompt_tokens is not None and len(target.tokenizer.encode(text)) > max_prompt_tokens:
             dropped += 1  # cutting would lose the template's start: the drafter would see another prompt
             continue
-        out.append({"id": ins.id, "prompt": text})
+        out.append({"id": ins.id, "prompt": text, **({"response": ins.answer} if answers else {})})
     return out, dropped
 
 

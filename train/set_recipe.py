@@ -52,7 +52,7 @@ from taps_jax.engine.adaptive import TABLE_FILE
 from taps_jax.model_sets import ASSETS, NAMED_SETS, POINTER, file_sha256, target_of
 from taps_jax.tree.lookup import LOOKUP_FILE
 
-from train.instructions import KINDS, package_root
+from train.instructions import ANSWERED_KINDS, KINDS, package_root
 from train.recipe import SCORERS, _done, _run  # the embedded recipe's scorer runs and stage helpers
 
 STAGES = ("prompts", "drafter", "answers", "state", "traces", "scorer", "lookup", "adaptive", "assemble", "report")
@@ -79,7 +79,8 @@ class SetSpec:
     drafter_state: str = ""  # the last finished leg's drafter (to commit): a name under configs/sets/, or a path
     more_prompts: dict = dataclasses.field(default_factory=dict)  # {"k": n}: from leg k on, the chain also trains
     # on the answers to n more train-split prompts, drawn after the ones before; {"k": {"count": n, "packages": [..],
-    # "kinds": [..]}}: n code tasks from installed packages' sources instead (`instructions.package_candidates`)
+    # "kinds": [..]}}: n code tasks from installed packages' sources instead (`instructions.package_candidates`),
+    # with "answers": "source" answered by the source they were made from (teacher-forced text, no generation)
     comment: str = ""
 
     @classmethod
@@ -161,16 +162,25 @@ class SetSpec:
         return ASSETS / self.assets if len(Path(self.assets).parts) == 1 else Path(self.assets)
 
 
+ANSWERS = ("target", "source")  # who answers a leg's added code tasks: the target (generated) or their source
+
+
 def _check_more(where: str, more) -> None:
     """A leg's added prompts: a positive count, or {"count": n, "packages": [names], "kinds": [kinds] (optional)}."""
     def count_ok(n):
         return not isinstance(n, bool) and isinstance(n, int) and n >= 1
 
     if isinstance(more, dict):
-        unknown = sorted(set(more) - {"count", "packages", "kinds"})
+        unknown = sorted(set(more) - {"count", "packages", "kinds", "answers"})
         packages, kinds = more.get("packages"), more.get("kinds", list(KINDS))
         if unknown:
-            raise ValueError(f"{where} has unknown key {unknown[0]!r}; known: count, packages, kinds")
+            raise ValueError(f"{where} has unknown key {unknown[0]!r}; known: count, packages, kinds, answers")
+        if more.get("answers", "target") not in ANSWERS:
+            raise ValueError(f"{where}: answers must be one of {', '.join(ANSWERS)} (the target's own, generated; "
+                             f"or the source each task was made from), got {more['answers']!r}")
+        if more.get("answers") == "source" and not set(kinds) <= set(ANSWERED_KINDS):
+            raise ValueError(f"{where}: answers \"source\" needs kinds with a source of their own: some of "
+                             f"{', '.join(ANSWERED_KINDS)}, got {kinds!r}")
         if not count_ok(more.get("count")):
             raise ValueError(f"{where}: count must be a positive number of prompts, got {more.get('count')!r}")
         if not (isinstance(packages, list) and packages and all(isinstance(n, str) and n for n in packages)):
@@ -190,6 +200,12 @@ def _committed(name: str) -> Path | None:
     return SET_DIR / name if len(Path(name).parts) == 1 else Path(name)
 
 
+def _given_answers(spec: SetSpec, k: int) -> bool:
+    """Whether leg k's added code tasks are answered by their own source (no generation)."""
+    more = spec.more_at(k)
+    return isinstance(more, dict) and more.get("answers") == "source"
+
+
 def leg_prompts(work: Path, k: int) -> Path:
     """The training prompts that drafter leg k adds (`SetSpec.more_prompts`)."""
     return work / f"prompts_train_leg{k}.jsonl"
@@ -200,11 +216,29 @@ def leg_dir(work: Path, k: int) -> Path:
     return work / "distill" if k == 1 else work / f"distill-{k}"
 
 
+def _as_json(settings) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(settings), default=str))
+
+
 def _leg_settings(preset: str) -> dict:
     """A leg's settings as JSON would hold them (tuples as lists): what the state's records are compared by."""
     from train import distill
 
-    return json.loads(json.dumps(dataclasses.asdict(distill.load_preset(preset)), default=str))
+    return _as_json(distill.load_preset(preset))
+
+
+def _same_settings(recorded: dict, preset: str) -> bool:
+    """Whether a state's record of a leg's settings is what `preset` gives now. A field added after the record
+    was written is missing from it and stands for its default (new fields default to the old behaviour)."""
+    from train import distill
+
+    default = _as_json(distill.DistillSettings())
+
+    def sans_defaults(settings: dict) -> dict:
+        return {sec: {k: v for k, v in values.items() if default.get(sec, {}).get(k, object()) != v}
+                for sec, values in settings.items()}
+
+    return sans_defaults(recorded) == sans_defaults(_leg_settings(preset))
 
 
 _FOREIGN_STATES: set[Path] = set()  # states already reported as not this set's (the line prints once per run)
@@ -218,7 +252,7 @@ def committed_legs(spec: SetSpec) -> int:
         return 0
     done = json.loads((state / LEGS_FILE).read_text())["legs"]
     legs = spec.legs()
-    if len(done) > len(legs) or any(r["settings"] != _leg_settings(p) or r.get("more_prompts", 0) != spec.more_at(k)
+    if len(done) > len(legs) or any(not _same_settings(r["settings"], p) or r.get("more_prompts", 0) != spec.more_at(k)
                                     for k, (r, p) in enumerate(zip(done, legs), 1)):
         if state not in _FOREIGN_STATES:
             _FOREIGN_STATES.add(state)
@@ -293,16 +327,20 @@ def run_stage(name: str, spec: SetSpec, work: Path) -> None:
                     pools[key] = instructions.package_candidates(key[0]) if key else instructions.candidates()
                 return instructions.draw(pools[key], split, count, seed, (key[1] or None) if key else None)
 
-            jobs = [(work / f"prompts_{split}.jsonl", draw((), split, p["counts"][split])) for split in todo]
+            jobs = [(work / f"prompts_{split}.jsonl", draw((), split, p["counts"][split]), False) for split in todo]
             for k, key, first, end in more:
                 earlier = {ins.id for ins in draw(key, "train", first)} if first else set()
                 jobs.append((leg_prompts(work, k), [ins for ins in draw(key, "train", end)
-                                                    if ins.id not in earlier][:end - first]))
-            for file, drawn in jobs:
-                records, dropped = instructions.render_prompts(drawn, target, p["max_prompt_tokens"])
+                                                    if ins.id not in earlier][:end - first], _given_answers(spec, k)))
+            for file, drawn, given in jobs:
+                overlaps = ""
+                if given:  # the answers are trained on as text: none may overlap HumanEval either
+                    drawn, n = instructions.without_humaneval_answers(drawn)
+                    overlaps = f", {n} whose source overlaps HumanEval dropped; answered by their source"
+                records, dropped = instructions.render_prompts(drawn, target, p["max_prompt_tokens"], answers=given)
                 instructions.write_records(file, records)
                 print(f"[recipe] prompts ({file.stem.removeprefix('prompts_')}): {len(records)} ({dropped} longer "
-                      f"than {p['max_prompt_tokens']} tokens dropped)", flush=True)
+                      f"than {p['max_prompt_tokens']} tokens dropped{overlaps})", flush=True)
     elif name == "drafter":
         legs, have = spec.legs(), committed_legs(spec)
         for k, config in enumerate(stage_configs(name, spec, work), 1):
