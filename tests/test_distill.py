@@ -331,6 +331,64 @@ def test_tap_cache_trains_as_the_step_forward_does(setup, tmp_path):
     assert path.stat().st_mtime_ns == stamp and not list(path.parent.glob("*.tmp*"))
 
 
+def test_tap_features_of_the_drawn_rows_only_and_resumed(tmp_path):
+    """A run that draws some rows computes their features only (a done mask beside the cache says which); a later
+    call fills in what it lacks, an interrupted pass resumes with the rows it saved, and a complete cache has no
+    mask and equals one computed at once."""
+    from train import distill_data
+
+    target = tiny_target()
+    rng = np.random.default_rng(6)
+    lengths = np.array([40, 90, 12, 70, 33, 61, 25, 80], np.int32)
+    tokens = np.zeros((len(lengths), 96), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(3, VOCAB, n)
+    seqs = D.Sequences(tokens, np.full(len(lengths), 4, np.int32), lengths)
+    batches = D.AnchorBatches(seqs, 2, 4, KB, seed=3)
+    drawn = batches.rows_drawn(2)
+    assert len(drawn) == 4 and set(drawn) == set(batches.rows_at(0)) | set(batches.rows_at(1))
+    assert batches.rows_drawn(4).tolist() == list(range(8))  # a whole epoch: every row
+    want = D.target_feature_cache(target, seqs, (0, 1), tmp_path / "whole", "train", soft_k=2, batch_size=2)
+    rows_run, real, clock = [], jax.jit, iter(range(0, 10**6, 1000))
+
+    def counting(fn, fail_after=None):
+        def run(params, tokens_BS):
+            if fail_after is not None and len(rows_run) == fail_after:
+                raise KeyboardInterrupt
+            rows_run.append(len(tokens_BS))
+            return real(fn)(params, tokens_BS)
+        return run
+
+    cache = tmp_path / "drawn"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", counting)
+        got = D.target_feature_cache(target, seqs, (0, 1), cache, "train", soft_k=2, batch_size=2, rows=drawn)
+        assert sum(rows_run) == 4
+        for r in drawn:
+            np.testing.assert_allclose(got["taps"][r, :lengths[r]], want["taps"][r, :lengths[r]], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got["soft_ids"][r, :lengths[r]], want["soft_ids"][r, :lengths[r]])
+        (mask,) = cache.glob("done-train-*.npy")
+        assert np.flatnonzero(np.load(mask)).tolist() == sorted(drawn)
+        rows_run.clear()
+        D.target_feature_cache(target, seqs, (0, 1), cache, "train", soft_k=2, batch_size=2, rows=drawn[:2])
+        assert rows_run == []  # what it has is reused
+        # All rows now, interrupted after one batch (the mask is saved after every batch here): the rerun
+        # computes only what the interrupted pass did not save.
+        mp.setattr(distill_data.time, "monotonic", lambda: next(clock))
+        mp.setattr(distill_data.jax, "jit", lambda fn: counting(fn, fail_after=1))
+        with pytest.raises(KeyboardInterrupt):
+            D.target_feature_cache(target, seqs, (0, 1), cache, "train", soft_k=2, batch_size=2)
+        assert np.load(mask).sum() == 6
+        rows_run.clear()
+        mp.setattr(distill_data.jax, "jit", counting)
+        got = D.target_feature_cache(target, seqs, (0, 1), cache, "train", soft_k=2, batch_size=2)
+    assert sum(rows_run) == 2 and not mask.exists()
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(got["taps"][i, :n], want["taps"][i, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got["soft_p"][i, :n], want["soft_p"][i, :n], rtol=1e-5, atol=1e-6)
+    assert not list(cache.glob("*.tmp*"))
+
+
 def test_tap_features_run_each_batch_at_its_own_width(tmp_path):
     """Rows of very different lengths: the cache runs batches of similar lengths at their own width, and gives
     every position inside a row the full-width forward's features, so training reads what the step computes."""
@@ -471,8 +529,9 @@ def test_soft_targets_are_the_targets_top_k_in_the_loss_cached_or_not(setup, tmp
     ref = D.distill(target, fresh(), seqs, None, tmp_path / "ref", cfg, D.distill_optim(steps, lr=1e-2))
     got = D.distill(target, fresh(), seqs, None, tmp_path / "cached",
                     config(steps, soft_top_k=k, soft_weight=w, tap_cache=True), D.distill_optim(steps, lr=1e-2))
+    assert len(seqs) > steps * cfg.batch_size  # so the cache holds the drawn rows only, a mask says which
     assert sorted(f.name.split("-")[0] for f in (tmp_path / "cached" / "data").glob("*.npy")) == \
-        ["rows", "soft5", "soft5"]
+        ["done", "rows", "soft5", "soft5"]
     loss_of = lambda r: np.array([float(x["loss"]) for x in r.history])
     np.testing.assert_allclose(loss_of(got), loss_of(ref), rtol=1e-5)
 

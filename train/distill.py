@@ -188,10 +188,9 @@ class DistillConfig:
     eval_every: int = option(250, "validate every N steps (0: only at the end)")
     checkpoint_every_s: float = option(600.0, "seconds between checkpoints")
     keep: int = option(3, "checkpoints kept")
-    tap_cache: bool = option(False, "compute the frozen target's tap features of every sequence once and keep "
-                                    "them on disk (<out>/data/rows-*.npy, each row's positions x taps x D float32) "
-                                    "instead of "
-                                    "in every step")
+    tap_cache: bool = option(False, "compute the frozen target's tap features of every sequence the run draws "
+                                    "once and keep them on disk (<out>/data/rows-*.npy, each row's positions x "
+                                    "taps x D float32) instead of in every step")
     soft_top_k: int = option(0, "soft targets: the target's top-k next-token probabilities at every "
                                 "supervised position join the loss (0: hard labels only); computed in the tap "
                                 "forward (cached beside the taps with --tap-cache)")
@@ -212,6 +211,10 @@ class DistillConfig:
             raise ValueError(f"soft_top_k must be a non-negative integer (0: off), got {k!r}")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"soft_weight must lie in [0, 1], got {self.soft_weight!r}")
+
+
+def _data_seed(config: DistillConfig) -> int:
+    return config.seed if config.data_seed is None else config.data_seed
 
 
 def distill_optim(steps: int, lr: float = 6e-4, warmup_ratio: float = 0.04, **kwargs) -> loop.OptimConfig:
@@ -339,8 +342,7 @@ def setup(target: Target, drafter: Drafter, train_seqs: Sequences, config: Disti
     loss_fn = make_loss_fn(forward, config.soft_weight)
     optimizer = loop.make_optimizer(optim)
     batches = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, dc.block_size,
-                            config.anchor_region, config.seed if config.data_seed is None else config.data_seed,
-                            taps=taps, soft=soft)
+                            config.anchor_region, _data_seed(config), taps=taps, soft=soft)
     return DistillSetup(graphdef, buffers, optimizer, loop.make_train_step(loss_fn, optimizer, mesh),
                       loop.shard_state(loop.TrainState.create(params, optimizer), mesh), batches, forward, loss_fn)
 
@@ -373,7 +375,11 @@ def distill(
     taps = val_taps = soft = None
     if config.tap_cache:
         ids = drafter.config.target_layer_ids
-        feats = target_feature_cache(target, train_seqs, ids, out_dir / "data", "train", config.soft_top_k)
+        # Only the rows this run's schedule draws: a leg of 1,500 steps x 4 draws half of 11,618 answers.
+        drawn = AnchorBatches(train_seqs, config.batch_size, config.anchors_per_seq, drafter.config.block_size,
+                              config.anchor_region, _data_seed(config)).rows_drawn(config.steps)
+        feats = target_feature_cache(target, train_seqs, ids, out_dir / "data", "train", config.soft_top_k,
+                                     rows=drawn)
         taps, soft = feats.pop("taps"), feats
         if val_seqs is not None and len(val_seqs):
             val_taps = tap_features(target, val_seqs, ids, out_dir / "data", "validation")

@@ -327,7 +327,7 @@ class RowFeatures:
 
 
 def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, ...], cache_dir: Path, name: str,
-                         soft_k: int = 0, batch_size: int = 8) -> dict:
+                         soft_k: int = 0, batch_size: int = 8, rows: np.ndarray | None = None) -> dict:
     """What the frozen target gives every sequence, computed once and read from disk: "taps" [N, S, F] float32
     (a `RowFeatures`) and, with soft_k, "soft_ids" [N, S, k] int32 / "soft_p" [N, S, k] float32 memmaps (its top-k
     next tokens).
@@ -339,6 +339,11 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     that adds answers after the earlier ones), an earlier cache of the same weights whose rows are this data's
     first rows is copied (also one of the padded taps-<name>-<key>.npy files caches were before), and the target
     runs only over the rows it lacks (`_earlier_rows`).
+
+    rows: the rows the caller will read (a training run that draws only some: `AnchorBatches.rows_drawn`); the
+    others are left unfilled (zeros) until a later call needs them. A cache that lacks rows has a done-<name>-<key>.npy
+    mask beside it, saved as the pass goes, so an interrupted pass resumes with the rows it finished; a complete
+    cache has none.
     """
     from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
 
@@ -351,53 +356,98 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     lengths = seqs.lengths.astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     cache_dir = Path(cache_dir)
-    files = _feature_files(name, _rows_key(weights, seqs, N), N, S, F, soft_k, int(offsets[-1]))
+    key = _rows_key(weights, seqs, N)
+    files = _feature_files(name, key, N, S, F, soft_k, int(offsets[-1]))
+    done_path = cache_dir / f"done-{name}-{key}.npy"
+    needed = np.zeros(N, bool)
+    needed[np.arange(N) if rows is None else np.asarray(rows, np.int64)] = True
     out = _open_features(cache_dir, files, seqs)
-    if out is not None:
+    done = _read_done(done_path, N) if out is not None else None
+    if out is not None and (done is None or done[needed].all()):
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = {what: cache_dir / f"{file}.tmp{os.getpid()}.npy" for what, (file, _, _) in files.items()}
-    mm = {what: np.lib.format.open_memmap(tmp[what], mode="w+", dtype=dtype, shape=shape)
-          for what, (_, shape, dtype) in files.items()}
-    done, earlier = _earlier_rows(cache_dir, name, weights, seqs, F, soft_k)
-    for lo in tqdm(range(0, done, 256), desc=f"target features ({name}): {done:,} rows from an earlier cache",
-                   unit="x256 rows", file=sys.stderr, disable=not done):
-        hi = min(lo + 256, done)
-        for what, old in earlier.items():
-            if isinstance(old, RowFeatures):  # the same rows back to back: a prefix of ours
-                mm["taps"][offsets[lo]:offsets[hi]] = old.flat[offsets[lo]:offsets[hi]]
-            elif what == "taps":  # a padded cache of before
-                for r in range(lo, hi):
-                    mm["taps"][offsets[r]:offsets[r + 1]] = old[r, :lengths[r]]
-            else:
-                width = min(S, old.shape[1])  # past it every row is padding
-                mm[what][lo:hi, :width] = old[lo:hi, :width]
+    if out is not None:  # a cache that lacks some of the rows needed now: fill them in
+        mm = {what: np.load(cache_dir / file, mmap_mode="r+") for what, (file, _, _) in files.items()}
+    else:
+        done = np.zeros(N, bool)
+        _save_done(done_path, done)  # first: files without a mask beside them are complete
+        mm = {what: np.lib.format.open_memmap(cache_dir / file, mode="w+", dtype=dtype, shape=shape)
+              for what, (file, shape, dtype) in files.items()}
+        n_earlier, earlier = _earlier_rows(cache_dir, name, weights, seqs, F, soft_k)
+        had = None  # a padded cache of before is complete; a rows cache may lack rows
+        if isinstance(earlier.get("taps"), RowFeatures):
+            had = _read_done(cache_dir / f"done-{name}-{_rows_key(weights, seqs, n_earlier)}.npy", n_earlier)
+        had = np.ones(n_earlier, bool) if had is None else had
+        chunks = [lo for lo in range(0, n_earlier, 256) if had[lo:lo + 256].any()]
+        for lo in tqdm(chunks, desc=f"target features ({name}): {int(had.sum()):,} rows from an earlier cache",
+                       unit="x256 rows", file=sys.stderr, disable=not chunks):
+            hi = min(lo + 256, n_earlier)
+            for what, old in earlier.items():
+                if isinstance(old, RowFeatures):  # the same rows back to back: a prefix of ours
+                    mm["taps"][offsets[lo]:offsets[hi]] = old.flat[offsets[lo]:offsets[hi]]
+                elif what == "taps":  # a padded cache of before
+                    for r in range(lo, hi):
+                        mm["taps"][offsets[r]:offsets[r + 1]] = old[r, :lengths[r]]
+                else:
+                    width = min(S, old.shape[1])  # past it every row is padding
+                    mm[what][lo:hi, :width] = old[lo:hi, :width]
+        done[:n_earlier] = had
     graphdef = target.graphdef
     features_of = jax.jit(lambda params, tokens_BS: target_features(nnx.merge(graphdef, params), tokens_BS,
                                                                     layer_ids, soft_k))
+    todo = np.flatnonzero(needed & ~done)
     gb = sum(int(np.prod(shape)) * 4 for _, shape, _ in files.values()) / 2**30
+
+    def save():
+        for value in mm.values():
+            value.flush()
+        _save_done(done_path, done)
+
     # Batches of similar lengths, each run only as wide as its longest row (rounded up to WIDTH_STEP: a few
     # compiled shapes). The model is causal, so a position's features do not depend on the width.
-    order = done + np.argsort(seqs.lengths[done:], kind="stable")
-    M = len(order)
-    with tqdm(total=M, desc=f"target features ({name}, {gb:.1f} GB)", unit="seq", file=sys.stderr) as bar:
+    order = todo[np.argsort(seqs.lengths[todo], kind="stable")]
+    M, saved = len(order), time.monotonic()
+    desc = f"target features ({name}, {gb:.1f} GB{'' if M == N else f', {M:,} of {N:,} rows'})"
+    with tqdm(total=M, desc=desc, unit="seq", file=sys.stderr) as bar:
         for lo in range(0, M, batch_size):
-            rows = order[np.arange(lo, lo + batch_size) % M]  # the last batch wraps: its batch shape stays
+            batch = order[np.arange(lo, lo + batch_size) % M]  # the last batch wraps: its batch shape stays
             n = min(batch_size, M - lo)
-            width = min(S, -(-int(seqs.lengths[rows].max()) // WIDTH_STEP) * WIDTH_STEP)
-            got = jax.device_get(features_of(target.params, seqs.tokens[rows, :width].astype(np.int32)))
+            width = min(S, -(-int(seqs.lengths[batch].max()) // WIDTH_STEP) * WIDTH_STEP)
+            got = jax.device_get(features_of(target.params, seqs.tokens[batch, :width].astype(np.int32)))
             for what, value in zip(("taps", "soft_ids", "soft_p"), got):
                 if what == "taps":
-                    for j, r in enumerate(rows[:n]):
+                    for j, r in enumerate(batch[:n]):
                         mm["taps"][offsets[r]:offsets[r + 1]] = np.asarray(value[j, :lengths[r]])
                 elif what in mm:
-                    mm[what][rows[:n], :width] = np.asarray(value)[:n]
+                    mm[what][batch[:n], :width] = np.asarray(value)[:n]
+            done[batch[:n]] = True
             bar.update(n)
-    for what, (file, _, _) in files.items():
-        mm[what].flush()
-        del mm[what]
-        os.replace(tmp[what], cache_dir / file)
+            if time.monotonic() - saved > 120:  # an interrupted pass keeps what it finished
+                save()
+                saved = time.monotonic()
+    save()
+    del mm
+    if done.all():
+        done_path.unlink()
     return _open_features(cache_dir, files, seqs)
+
+
+def _read_done(path: Path, n: int) -> np.ndarray | None:
+    """A feature cache's mask of finished rows; None when it has none (a complete cache), all False when it is
+    damaged (the rows are computed again)."""
+    if not path.exists():
+        return None
+    try:
+        done = np.load(path)
+    except (OSError, ValueError):
+        return np.zeros(n, bool)
+    return done if done.shape == (n,) and done.dtype == bool else np.zeros(n, bool)
+
+
+def _save_done(path: Path, done: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+    np.save(tmp, done)
+    os.replace(tmp, path)
 
 
 def _rows_key(weights, seqs: Sequences, n: int) -> str:
@@ -547,6 +597,12 @@ class AnchorBatches:
     def rows_at(self, step: int) -> np.ndarray:
         samples = step * self.B + np.arange(self.B)
         return np.array([self._order(int(s) // len(self.seqs))[int(s) % len(self.seqs)] for s in samples])
+
+    def rows_drawn(self, steps: int) -> np.ndarray:
+        """The distinct rows that steps 0 .. steps - 1 draw (sorted): all a run of that length reads."""
+        if steps * self.B >= len(self.seqs):
+            return np.arange(len(self.seqs))
+        return np.unique(np.concatenate([self.rows_at(step) for step in range(steps)]))
 
     def batch_at(self, step: int) -> dict:
         return self.batch_of(self.rows_at(step), np.random.default_rng([self.seed, 1 << 20, step]))
