@@ -389,6 +389,75 @@ def test_tap_features_of_the_drawn_rows_only_and_resumed(tmp_path):
     assert not list(cache.glob("*.tmp*"))
 
 
+_FEATURE_PROCESS = """
+import json, sys, time
+from pathlib import Path
+import jax, numpy as np
+from tests.test_distill import VOCAB, tiny_target
+from train import distill as D
+cache, gate = Path(sys.argv[1]), Path(sys.argv[2])
+rows, real = [], jax.jit
+def counting(fn):
+    def run(params, tokens_BS):
+        (cache / f"started-{sys.argv[3]}").touch()
+        while gate.name != "-" and not gate.exists():  # held inside the pass until the test opens the gate
+            time.sleep(0.05)
+        rows.append(len(tokens_BS))
+        return real(fn)(params, tokens_BS)
+    return run
+jax.jit = counting
+rng = np.random.default_rng(6)
+lengths = np.array([40, 90, 12, 70, 33, 61, 25, 80], np.int32)
+tokens = np.zeros((len(lengths), 96), np.int32)
+for i, n in enumerate(lengths):
+    tokens[i, :n] = rng.integers(3, VOCAB, n)
+got = D.target_feature_cache(tiny_target(), D.Sequences(tokens, np.full(8, 4, np.int32), lengths), (0, 1), cache,
+                             "train", batch_size=2)
+print(json.dumps({"rows": sum(rows), "taps": float(np.abs(got["taps"][:]).sum())}))
+"""
+
+
+def test_tap_features_filled_by_one_of_two_processes_at_once(tmp_path):
+    """Two runs fill one feature cache at once: the second waits for the first (it says so), then finds every row
+    and runs the target over none; without the lock it would truncate the first's file or compute every row again."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.process_helpers import REPO
+
+    cache, gate, err = tmp_path / "cache", tmp_path / "gate", tmp_path / "second.err"
+    cache.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+
+    def start(name, gate_path, stderr):
+        return subprocess.Popen([sys.executable, "-c", _FEATURE_PROCESS, str(cache), str(gate_path), name], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    deadline = time.monotonic() + 120
+    procs = [start("first", gate, subprocess.DEVNULL)]
+    try:
+        while not (cache / "started-first").exists():  # the first is inside its pass, held at the gate
+            assert procs[0].poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        with open(err, "w") as stderr:
+            procs.append(start("second", "-", stderr))
+        while "waiting for it" not in err.read_text():
+            assert procs[1].poll() is None, f"the second process did not wait: {err.read_text()}"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        gate.touch()
+        outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [o["rows"] for o in outs] == [8, 0]
+    assert outs[0]["taps"] == outs[1]["taps"] > 0
+    assert not (cache / "started-second").exists() and not list(cache.glob("done-*"))
+
+
 def test_tap_features_run_each_batch_at_its_own_width(tmp_path):
     """Rows of very different lengths: the cache runs batches of similar lengths at their own width, and gives
     every position inside a row the full-width forward's features, so training reads what the step computes."""

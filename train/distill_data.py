@@ -7,7 +7,9 @@ one would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -345,19 +347,13 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     mask beside it, saved as the pass goes, so an interrupted pass resumes with the rows it finished; a complete
     cache has none.
     """
-    from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
-
-    from train.distill_objective import target_features  # noqa: PLC0415
-
     weights = hashlib.sha1(params_fingerprint(target.params).encode())
     weights.update(repr(tuple(layer_ids)).encode())
     N, S = seqs.tokens.shape
     F = len(layer_ids) * target.config.hidden_size
-    lengths = seqs.lengths.astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
     cache_dir = Path(cache_dir)
     key = _rows_key(weights, seqs, N)
-    files = _feature_files(name, key, N, S, F, soft_k, int(offsets[-1]))
+    files = _feature_files(name, key, N, S, F, soft_k, int(seqs.lengths.astype(np.int64).sum()))
     done_path = cache_dir / f"done-{name}-{key}.npy"
     needed = np.zeros(N, bool)
     needed[np.arange(N) if rows is None else np.asarray(rows, np.int64)] = True
@@ -366,7 +362,28 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     if out is not None and (done is None or done[needed].all()):
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if out is not None:  # a cache that lacks some of the rows needed now: fill them in
+    with _exclusive(cache_dir / f"lock-{name}-{key}", f"target features ({name})"):
+        out = _open_features(cache_dir, files, seqs)  # again: a process we waited for may have filled it
+        done = _read_done(done_path, N) if out is not None else None
+        if out is not None and (done is None or done[needed].all()):
+            return out
+        return _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size, weights, files,
+                              done_path, needed, done)
+
+
+def _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size, weights, files, done_path,
+                   needed, done) -> dict:
+    """`target_feature_cache`'s pass over the rows `needed` [N] bool that the cache lacks (`done` [N] bool, its
+    mask; None: no cache yet, and an earlier cache's rows are copied first). Runs holding the cache's lock."""
+    from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
+
+    from train.distill_objective import target_features  # noqa: PLC0415
+
+    N, S = seqs.tokens.shape
+    F = len(layer_ids) * target.config.hidden_size
+    lengths = seqs.lengths.astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    if done is not None:  # a cache that lacks some of the rows needed now: fill them in
         mm = {what: np.load(cache_dir / file, mmap_mode="r+") for what, (file, _, _) in files.items()}
     else:
         done = np.zeros(N, bool)
@@ -430,6 +447,21 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     if done.all():
         done_path.unlink()
     return _open_features(cache_dir, files, seqs)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, what: str):
+    """Holds an exclusive lock on the file `path` while the block runs. Two processes filling one cache at once
+    (two runs in one work dir) would each write rows and masks the other overwrites, and the second to create the
+    files would truncate the first's; with the lock the second waits, then computes only what is still missing."""
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{what}: another process is computing them ({path} is locked); waiting for it", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the process dies
 
 
 def _read_done(path: Path, n: int) -> np.ndarray | None:
