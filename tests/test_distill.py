@@ -389,37 +389,45 @@ def test_tap_features_of_the_drawn_rows_only_and_resumed(tmp_path):
     assert not list(cache.glob("*.tmp*"))
 
 
-_FEATURE_PROCESS = """
+_CACHE_PROCESS = """
 import json, sys, time
 from pathlib import Path
 import jax, numpy as np
-from tests.test_distill import VOCAB, tiny_target
-from train import distill as D
-cache, gate = Path(sys.argv[1]), Path(sys.argv[2])
-rows, real = [], jax.jit
-def counting(fn):
-    def run(params, tokens_BS):
-        (cache / f"started-{sys.argv[3]}").touch()
-        while gate.name != "-" and not gate.exists():  # held inside the pass until the test opens the gate
+from tests.test_distill import VOCAB, prompts, tiny_target
+from train import distill as D, distill_data
+cache, gate, who, what = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+work = []
+def held(fn, count):  # fn, held inside the first call until the test opens the gate, counting what it does
+    def run(*args):
+        (cache / f"started-{who}").touch()
+        while gate.name != "-" and not gate.exists():
             time.sleep(0.05)
-        rows.append(len(tokens_BS))
-        return real(fn)(params, tokens_BS)
+        work.append(count(*args))
+        return fn(*args)
     return run
-jax.jit = counting
-rng = np.random.default_rng(6)
-lengths = np.array([40, 90, 12, 70, 33, 61, 25, 80], np.int32)
-tokens = np.zeros((len(lengths), 96), np.int32)
-for i, n in enumerate(lengths):
-    tokens[i, :n] = rng.integers(3, VOCAB, n)
-got = D.target_feature_cache(tiny_target(), D.Sequences(tokens, np.full(8, 4, np.int32), lengths), (0, 1), cache,
-                             "train", batch_size=2)
-print(json.dumps({"rows": sum(rows), "taps": float(np.abs(got["taps"][:]).sum())}))
+if what == "features":
+    real_jit = jax.jit
+    jax.jit = lambda fn: held(real_jit(fn), lambda params, tokens_BS: len(tokens_BS))
+    rng = np.random.default_rng(6)
+    lengths = np.array([40, 90, 12, 70, 33, 61, 25, 80], np.int32)
+    tokens = np.zeros((len(lengths), 96), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(3, VOCAB, n)
+    seqs = D.Sequences(tokens, np.full(8, 4, np.int32), lengths)
+    got = D.target_feature_cache(tiny_target(), seqs, (0, 1), cache, "train", batch_size=2)
+    print(json.dumps({"work": sum(work), "sum": float(np.abs(got["taps"][:]).sum())}))
+else:
+    distill_data._refilled_answers = held(distill_data._refilled_answers, lambda target, prompts, todo, *a: len(todo))
+    got = D.generate_sequences(tiny_target(), prompts(8), 12, batch_size=4, cache_dir=cache, save_every_s=0)
+    print(json.dumps({"work": sum(work), "sum": float(got.tokens.sum() + got.lengths.sum())}))
 """
 
 
-def test_tap_features_filled_by_one_of_two_processes_at_once(tmp_path):
-    """Two runs fill one feature cache at once: the second waits for the first (it says so), then finds every row
-    and runs the target over none; without the lock it would truncate the first's file or compute every row again."""
+@pytest.mark.parametrize("what", ["features", "answers"])
+def test_a_cache_filled_by_one_of_two_processes_at_once(tmp_path, what):
+    """Two runs fill one tap-feature (or answer) cache at once: the second waits for the first (it says so), then
+    finds every row and runs the target over none. Without the lock the second would compute every row again, and
+    truncate the first's feature file or delete the answer parts it is still writing."""
     import os
     import subprocess
     import sys
@@ -431,9 +439,9 @@ def test_tap_features_filled_by_one_of_two_processes_at_once(tmp_path):
     cache.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
-    def start(name, gate_path, stderr):
-        return subprocess.Popen([sys.executable, "-c", _FEATURE_PROCESS, str(cache), str(gate_path), name], cwd=REPO,
-                                env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    def start(who, gate_path, stderr):
+        return subprocess.Popen([sys.executable, "-c", _CACHE_PROCESS, str(cache), str(gate_path), who, what],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
     deadline = time.monotonic() + 120
     procs = [start("first", gate, subprocess.DEVNULL)]
@@ -448,13 +456,13 @@ def test_tap_features_filled_by_one_of_two_processes_at_once(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         gate.touch()
-        outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+        outs = [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert [o["rows"] for o in outs] == [8, 0]
-    assert outs[0]["taps"] == outs[1]["taps"] > 0
+    assert [o["work"] for o in outs] == [8, 0]
+    assert outs[0]["sum"] == outs[1]["sum"] > 0
     assert not (cache / "started-second").exists() and not list(cache.glob("done-*"))
 
 

@@ -134,64 +134,77 @@ def generate_sequences(
         "width": width, "refill_rows": rows_per_refill,
     }, sort_keys=True).encode()).hexdigest()[:12]
     final = cache_dir / f"{name}-{key}" if cache_dir is not None else None
-    if final is not None and (final / "lengths.npy").is_file():
-        seqs = Sequences.load(final)
-        tqdm.write(f"{name}: {len(seqs)} cached target continuations from {final}")
+    if (seqs := _cached_answers(final, name)) is not None:
         return seqs
-    parts = final / "parts" if final is not None else None
-    rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
-    done = np.zeros(n, bool)
-    if parts is not None:
-        parts.mkdir(parents=True, exist_ok=True)
-        for part in sorted(parts.glob("part-*.npy")):  # answers of an interrupted run: [index, row...]
-            got = np.load(part)
-            rows[got[:, 0]], done[got[:, 0]] = got[:, 1:], True
-    bar = tqdm(total=n, initial=int(done.sum()), desc=f"generate {name}", unit="seq", dynamic_ncols=True,
-               smoothing=0.1, mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    t0, made, unsaved, saved_at = time.perf_counter(), 0, [], time.perf_counter()
+    with contextlib.ExitStack() as held:
+        if final is not None:  # two runs answering the same prompts take turns: the second finds the answers
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+            held.enter_context(_exclusive(Path(cache_dir) / f"lock-{name}-{key}", f"generate {name}"))
+            if (seqs := _cached_answers(final, name)) is not None:
+                return seqs
+        parts = final / "parts" if final is not None else None
+        rows = np.full((n, 2 + width), PAD_ID, np.int32)  # [prompt_len, length, tokens...]
+        done = np.zeros(n, bool)
+        if parts is not None:
+            parts.mkdir(parents=True, exist_ok=True)
+            for part in sorted(parts.glob("part-*.npy")):  # answers of an interrupted run: [index, row...]
+                got = np.load(part)
+                rows[got[:, 0]], done[got[:, 0]] = got[:, 1:], True
+        bar = tqdm(total=n, initial=int(done.sum()), desc=f"generate {name}", unit="seq", dynamic_ncols=True,
+                   smoothing=0.1, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        t0, made, unsaved, saved_at = time.perf_counter(), 0, [], time.perf_counter()
 
-    def save():
-        if parts is not None and unsaved:
-            part = parts / f"part-{int(done.sum()):07d}-{len(unsaved):05d}.npy"
-            np.save(part.with_suffix(".tmp.npy"), np.concatenate([np.asarray(unsaved)[:, None], rows[unsaved]], 1))
-            os.replace(part.with_suffix(".tmp.npy"), part)
-            unsaved.clear()
+        def save():
+            if parts is not None and unsaved:
+                part = parts / f"part-{int(done.sum()):07d}-{len(unsaved):05d}.npy"
+                np.save(part.with_suffix(".tmp.npy"), np.concatenate([np.asarray(unsaved)[:, None], rows[unsaved]], 1))
+                os.replace(part.with_suffix(".tmp.npy"), part)
+                unsaved.clear()
 
-    # The two modes never share a run: [0, n_greedy) greedy, [n_greedy, n) sampled.
-    for lo, hi, greedy in ((0, n_greedy, True), (n_greedy, n, False)):
-        todo = [i for i in range(lo, hi) if not done[i]]
-        if not todo:
-            continue
-        answers = _static_answers if static else _refilled_answers
-        options = dict(temperature=0.0 if greedy else temperature, seed=seed + (0 if greedy else 1),
-                       capacity=capacity)
-        for finished, utilisation in answers(target, prompts, todo, gen_tokens, batch_size, rows_per_refill,
-                                             options):
-            for i, tokens in finished:
-                seq = list(prompts[i]) + list(tokens)
-                rows[i, 0], rows[i, 1] = len(prompts[i]), len(seq)
-                rows[i, 2:2 + len(seq)] = seq
-                done[i] = True
-                unsaved.append(i)
-                made += len(tokens)
-            bar.update(len(finished))
-            shown = {"slots": f"{utilisation:.0%}"} if utilisation is not None else {}
-            bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", **shown, refresh=False)
-            if time.perf_counter() - saved_at >= save_every_s:
-                save()
-                saved_at = time.perf_counter()
-    save()
-    bar.close()
-    seqs = Sequences(rows[:, 2:].copy(), rows[:, 0].copy(), rows[:, 1].copy())
-    if final is not None:
-        seqs.save(final)
-        (final / "meta.json").write_text(json.dumps({
-            "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
-            "gen_tokens": gen_tokens, "batch_size": batch_size, "refill_rows": rows_per_refill,
-            "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
-            "tokens_per_s": made / max(time.perf_counter() - t0, 1e-9),
-        }, indent=2))
-        shutil.rmtree(parts, ignore_errors=True)
+        # The two modes never share a run: [0, n_greedy) greedy, [n_greedy, n) sampled.
+        for lo, hi, greedy in ((0, n_greedy, True), (n_greedy, n, False)):
+            todo = [i for i in range(lo, hi) if not done[i]]
+            if not todo:
+                continue
+            answers = _static_answers if static else _refilled_answers
+            options = dict(temperature=0.0 if greedy else temperature, seed=seed + (0 if greedy else 1),
+                           capacity=capacity)
+            for finished, utilisation in answers(target, prompts, todo, gen_tokens, batch_size, rows_per_refill,
+                                                 options):
+                for i, tokens in finished:
+                    seq = list(prompts[i]) + list(tokens)
+                    rows[i, 0], rows[i, 1] = len(prompts[i]), len(seq)
+                    rows[i, 2:2 + len(seq)] = seq
+                    done[i] = True
+                    unsaved.append(i)
+                    made += len(tokens)
+                bar.update(len(finished))
+                shown = {"slots": f"{utilisation:.0%}"} if utilisation is not None else {}
+                bar.set_postfix(tok_s=f"{made / max(time.perf_counter() - t0, 1e-9):,.0f}", **shown, refresh=False)
+                if time.perf_counter() - saved_at >= save_every_s:
+                    save()
+                    saved_at = time.perf_counter()
+        save()
+        bar.close()
+        seqs = Sequences(rows[:, 2:].copy(), rows[:, 0].copy(), rows[:, 1].copy())
+        if final is not None:
+            seqs.save(final)
+            (final / "meta.json").write_text(json.dumps({
+                "sequences": n, "greedy": n_greedy, "temperature": temperature if n_greedy < n else None,
+                "gen_tokens": gen_tokens, "batch_size": batch_size, "refill_rows": rows_per_refill,
+                "seed": seed, "mean_continuation": float(np.mean(seqs.lengths - seqs.prompt_lens)),
+                "tokens_per_s": made / max(time.perf_counter() - t0, 1e-9),
+            }, indent=2))
+            shutil.rmtree(parts, ignore_errors=True)
+        return seqs
+
+
+def _cached_answers(final: Path | None, name: str) -> Sequences | None:
+    """The finished answer set cached at `final`, or None."""
+    if final is None or not (final / "lengths.npy").is_file():
+        return None
+    seqs = Sequences.load(final)
+    tqdm.write(f"{name}: {len(seqs)} cached target continuations from {final}")
     return seqs
 
 
