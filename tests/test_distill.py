@@ -466,6 +466,33 @@ def test_a_cache_filled_by_one_of_two_processes_at_once(tmp_path, what):
     assert not (cache / "started-second").exists() and not list(cache.glob("done-*"))
 
 
+def test_a_multi_host_job_takes_no_cache_lock(tmp_path, monkeypatch):
+    """The processes of one multi-host job fill a shared cache together (each batch is a collective): a lock would
+    have one wait on the other forever, so they take none."""
+    import fcntl
+    import threading
+
+    from train import distill_data
+
+    lock = tmp_path / "lock-train-key"
+    entered = threading.Event()
+
+    def fill():
+        with distill_data._exclusive(lock, "target features (train)"):
+            entered.set()
+
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another run's process would hold it
+        monkeypatch.setattr(distill_data.jax, "process_count", lambda: 2)
+        threading.Thread(target=fill, daemon=True).start()
+        assert entered.wait(10)
+        monkeypatch.setattr(distill_data.jax, "process_count", lambda: 1)
+        entered.clear()
+        threading.Thread(target=fill, daemon=True).start()
+        assert not entered.wait(0.5)  # a single-process run waits for the holder
+    assert entered.wait(10)
+
+
 def test_tap_features_run_each_batch_at_its_own_width(tmp_path):
     """Rows of very different lengths: the cache runs batches of similar lengths at their own width, and gives
     every position inside a row the full-width forward's features, so training reads what the step computes."""

@@ -466,7 +466,12 @@ def _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size,
 def _exclusive(path: Path, what: str):
     """Holds an exclusive lock on the file `path` while the block runs. Two processes filling one cache at once
     (two runs in one work dir) would each write rows and masks the other overwrites, and the second to create the
-    files would truncate the first's; with the lock the second waits, then computes only what is still missing."""
+    files would truncate the first's; with the lock the second waits, then computes only what is still missing.
+    The processes of one multi-host job are one run: they compute every row together (a collective on the mesh)
+    and write the same bytes, so they take no lock (one would wait on the lock while the other waits on it)."""
+    if jax.process_count() > 1:
+        yield
+        return
     with open(path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
