@@ -585,6 +585,42 @@ def test_tap_features_of_grown_data_run_only_the_added_rows(tmp_path):
         np.testing.assert_array_equal(got[i, :n], padded[i, :n])
 
 
+def test_grown_data_takes_over_the_earlier_cache_in_place(tmp_path, capsys):
+    """Without soft targets the earlier rows cache becomes the grown data's (renamed, its header given the new
+    shape, its end extended: the same file, no second copy on disk), keeping the earlier mask's rows; the target
+    runs over the rows neither has, and the features equal those computed from scratch."""
+    from train import distill_data
+
+    target = tiny_target()
+    rng = np.random.default_rng(8)
+
+    def part(lengths):
+        tokens = np.zeros((len(lengths), 160), np.int32)
+        for i, n in enumerate(lengths):
+            tokens[i, :n] = rng.integers(3, VOCAB, n)
+        return D.Sequences(tokens, np.full(len(lengths), 4, np.int32), np.array(lengths, np.int32))
+
+    first = part([40, 90, 12, 70, 33, 61])
+    grown = D.Sequences.concat([first, part([150, 30, 120])])
+    cache = tmp_path / "grow"
+    D.target_feature_cache(target, first, (0, 1), cache, "train", batch_size=2, rows=np.array([0, 1, 3, 4]))
+    (earlier,) = cache.glob("rows-train-*.npy")
+    inode = earlier.stat().st_ino
+    rows_run, real = [], jax.jit
+    counting = lambda fn: (lambda params, tokens_BS: (rows_run.append(len(tokens_BS)), real(fn)(params, tokens_BS))[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_data.jax, "jit", counting)
+        got = D.target_feature_cache(target, grown, (0, 1), cache, "train", batch_size=2, rows=np.arange(9))
+    assert sum(rows_run) == 6  # the earlier's two missing rows and the 3 added, in batches of 2 (the last wraps)
+    assert "4 rows from the earlier cache" in capsys.readouterr().err
+    (now,) = cache.glob("rows-train-*.npy")
+    assert now != earlier and now.stat().st_ino == inode and not list(cache.glob("done-*"))
+    want = D.target_feature_cache(target, grown, (0, 1), tmp_path / "scratch", "train", batch_size=2)
+    for i, n in enumerate(grown.lengths):
+        np.testing.assert_allclose(got["taps"][i, :n], want["taps"][i, :n], rtol=1e-5, atol=1e-5)
+    assert got["taps"].flat.shape == want["taps"].flat.shape
+
+
 @pytest.mark.parametrize("tap_cache", [False, True])
 def test_bench_times_the_step_training_runs(tap_cache, capsys):
     """--bench: with tap_cache the timed steps read features computed beforehand (as training then does)."""

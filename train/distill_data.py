@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -352,8 +353,9 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     rows' real positions, back to back; soft<k>-ids-... / soft<k>-p-... beside it); the key hashes the weights,
     the tap ids and each row's tokens, so other data or weights never reuse it. When the data grew (a drafter leg
     that adds answers after the earlier ones), an earlier cache of the same weights whose rows are this data's
-    first rows is copied (also one of the padded taps-<name>-<key>.npy files caches were before), and the target
-    runs only over the rows it lacks (`_earlier_rows`).
+    first rows becomes this one's start (grown in place, `_grow_in_place`; copied when it has soft targets or is
+    one of the padded taps-<name>-<key>.npy files caches were before), and the target runs only over the rows it
+    lacks (`_earlier_rows`).
 
     rows: the rows the caller will read (a training run that draws only some: `AnchorBatches.rows_drawn`); the
     others are left unfilled (zeros) until a later call needs them. A cache that lacks rows has a done-<name>-<key>.npy
@@ -387,7 +389,7 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
 def _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size, weights, files, done_path,
                    needed, done) -> dict:
     """`target_feature_cache`'s pass over the rows `needed` [N] bool that the cache lacks (`done` [N] bool, its
-    mask; None: no cache yet, and an earlier cache's rows are copied first). Runs holding the cache's lock."""
+    mask; None: no cache yet, and an earlier cache's rows are taken over first). Runs holding the cache's lock."""
     from flax import nnx  # noqa: PLC0415 (train.distill_data is imported by CPU-only tools too)
 
     from train.distill_objective import target_features  # noqa: PLC0415
@@ -396,6 +398,9 @@ def _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size,
     F = len(layer_ids) * target.config.hidden_size
     lengths = seqs.lengths.astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
+    n_earlier, earlier = (0, {}) if done is not None else _earlier_rows(cache_dir, name, weights, seqs, F, soft_k)
+    if n_earlier and not soft_k and isinstance(earlier["taps"], RowFeatures) and jax.process_count() == 1:
+        done = _grow_in_place(cache_dir, name, _rows_key(weights, seqs, n_earlier), files, done_path, N, n_earlier)
     if done is not None:  # a cache that lacks some of the rows needed now: fill them in
         mm = {what: np.load(cache_dir / file, mmap_mode="r+") for what, (file, _, _) in files.items()}
     else:
@@ -403,7 +408,6 @@ def _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size,
         _save_done(done_path, done)  # first: files without a mask beside them are complete
         mm = {what: np.lib.format.open_memmap(cache_dir / file, mode="w+", dtype=dtype, shape=shape)
               for what, (file, shape, dtype) in files.items()}
-        n_earlier, earlier = _earlier_rows(cache_dir, name, weights, seqs, F, soft_k)
         had = None  # a padded cache of before is complete; a rows cache may lack rows
         if isinstance(earlier.get("taps"), RowFeatures):
             had = _read_done(cache_dir / f"done-{name}-{_rows_key(weights, seqs, n_earlier)}.npy", n_earlier)
@@ -460,6 +464,45 @@ def _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size,
     if done.all():
         done_path.unlink()
     return _open_features(cache_dir, files, seqs)
+
+
+def _grow_in_place(cache_dir: Path, name: str, earlier_key: str, files: dict, done_path: Path, N: int,
+                   n_earlier: int) -> np.ndarray | None:
+    """Makes the earlier rows cache (no soft targets) of this data's first n_earlier rows this cache, in place:
+    its rows' positions are the first of ours, back to back, so the file is renamed, its .npy header given our
+    shape and its end extended (sparse). Copying instead holds both on disk at once (SmolLM2's leg 10: two files
+    of 32 GB and more) and takes minutes. The earlier data's features are then no longer kept apart: a run on that
+    data computes them again. Returns our done mask [N] (the earlier's rows that it held), or None when the
+    earlier header has no room for our shape (then it is copied)."""
+    old_path = cache_dir / f"rows-{name}-{earlier_key}.npy"
+    old_done = cache_dir / f"done-{name}-{earlier_key}.npy"
+    new_path = cache_dir / files["taps"][0]
+    (total, F), dtype = files["taps"][1:]
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                  "fortran_order": False, "shape": (total, F)})
+    header = header.getvalue()
+    with _exclusive(cache_dir / f"lock-{name}-{earlier_key}", f"target features ({name}, the earlier cache)"):
+        with open(old_path, "rb") as f:
+            if np.lib.format.read_magic(f) != (1, 0):
+                return None
+            np.lib.format.read_array_header_1_0(f)
+            if f.tell() != len(header):  # numpy leaves room in it for a longer first axis
+                return None
+        had = _read_done(old_done, n_earlier)
+        done = np.zeros(N, bool)
+        done[:n_earlier] = True if had is None else had
+        _save_done(done_path, done)  # first: files without a mask beside them are complete
+        # Renamed before it is changed: a crash in between leaves a file of the wrong shape under our name, which
+        # the next run overwrites (computing every row again); nothing half-changed is left under the earlier name.
+        os.replace(old_path, new_path)
+        old_done.unlink(missing_ok=True)
+        with open(new_path, "r+b") as f:
+            f.write(header)
+            f.truncate(len(header) + total * F * np.dtype(dtype).itemsize)
+    print(f"target features ({name}): {int(done.sum()):,} rows from the earlier cache {old_path.name}, grown in "
+          f"place into {new_path.name}", file=sys.stderr, flush=True)
+    return done
 
 
 @contextlib.contextmanager
