@@ -372,15 +372,17 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     done_path = cache_dir / f"done-{name}-{key}.npy"
     needed = np.zeros(N, bool)
     needed[np.arange(N) if rows is None else np.asarray(rows, np.int64)] = True
-    out = _open_features(cache_dir, files, seqs)
-    done = _read_done(done_path, N) if out is not None else None
-    if out is not None and (done is None or done[needed].all()):
+    def cached() -> tuple[dict | None, np.ndarray | None]:  # (the features if they hold every needed row, mask)
+        out = _open_features(cache_dir, files, seqs)
+        done = _read_done(done_path, N) if out is not None else None
+        return (out if out is not None and (done is None or done[needed].all()) else None), done
+
+    if (out := cached()[0]) is not None:
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_dir / f"lock-{name}-{key}", f"target features ({name})"):
-        out = _open_features(cache_dir, files, seqs)  # again: a process we waited for may have filled it
-        done = _read_done(done_path, N) if out is not None else None
-        if out is not None and (done is None or done[needed].all()):
+        out, done = cached()  # again: a process we waited for may have filled it
+        if out is not None:
             return out
         return _fill_features(target, seqs, layer_ids, cache_dir, name, soft_k, batch_size, weights, files,
                               done_path, needed, done)
