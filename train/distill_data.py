@@ -485,6 +485,9 @@ def _grow_in_place(cache_dir: Path, name: str, earlier_key: str, files: dict, do
                                                   "fortran_order": False, "shape": (total, F)})
     header = header.getvalue()
     with _exclusive(cache_dir / f"lock-{name}-{earlier_key}", f"target features ({name}, the earlier cache)"):
+        if not old_path.exists():  # a run on other data that starts with the same rows took it over meanwhile
+            raise RuntimeError(f"the earlier feature cache {old_path} was grown into another run's cache while this "
+                               f"one waited for it; run again")
         with open(old_path, "rb") as f:
             if np.lib.format.read_magic(f) != (1, 0):
                 return None
