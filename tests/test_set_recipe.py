@@ -215,3 +215,23 @@ def test_set_recipe_refuses_an_unknown_trace_setting(tmp_path, capsys):
     spec.write_text(json.dumps(raw))
     assert set_recipe.main(["--set", str(spec), "--dry-run"]) == 2
     assert "unknown traces setting 'pool_widht'" in capsys.readouterr().err
+
+
+def test_through_leg_builds_on_an_earlier_leg_of_the_chain(tmp_path, capsys):
+    """--through-leg K: the later stages fit on leg K's drafter and leave out the prompts later legs add (a refit
+    on the committed leg while the next one trains); a leg the chain lacks is refused."""
+    spec, work = tiny_set(tmp_path), tmp_path / "work"
+    raw = json.loads(spec.read_text())
+    raw["drafter_legs"], raw["more_prompts"] = ["tiny", "tiny"], {"2": 4, "3": 4}
+    spec.write_text(json.dumps(raw))
+    argv = ["--set", str(spec), "--work", str(work), "--stages", "drafter,traces", "--dry-run"]
+    assert set_recipe.main(argv) == 0
+    whole = capsys.readouterr().out
+    assert whole.count("drafter: run(") == 3 and "distill-3/export" in whole and "prompts_train_leg3" in whole
+    assert set_recipe.main([*argv, "--through-leg", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("drafter: run(") == 2 and "prompts_train_leg3" not in out
+    (traces,) = [line for line in out.splitlines() if line.startswith("[recipe] traces")]
+    assert "distill-2/export" in traces and "prompts_train_leg2" in traces
+    assert set_recipe.main([*argv, "--through-leg", "4"]) == 2
+    assert "--through-leg 4: the set's drafter chain has legs 1 to 3" in capsys.readouterr().err

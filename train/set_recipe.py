@@ -128,6 +128,14 @@ class SetSpec:
     def state_dir(self) -> Path | None:
         return _committed(self.drafter_state)
 
+    def through(self, k: int) -> "SetSpec":
+        """This set as of its chain's leg k: the legs after k (and the prompts they add) left out, so the later
+        stages fit on leg k's drafter (the committed state, once it holds leg k) while a later leg trains."""
+        if not 1 <= k <= len(self.legs()):
+            raise ValueError(f"--through-leg {k}: the set's drafter chain has legs 1 to {len(self.legs())}")
+        return dataclasses.replace(self, drafter_legs=self.drafter_legs[:k - 1],
+                                   more_prompts={leg: n for leg, n in self.more_prompts.items() if int(leg) <= k})
+
     def legs(self) -> list[str]:
         """The drafter presets, in training order: leg 1 from scratch, each later leg from the one before."""
         return [self.drafter_preset, *self.drafter_legs]
@@ -517,6 +525,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", default="smollm2", help="configs/sets/NAME.json (or a JSON path) (default smollm2)")
     p.add_argument("--work", type=Path, default=None, help="working dir for all stages (default runs/<set>)")
     p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, in order (default: all)")
+    p.add_argument("--through-leg", type=int, default=None, metavar="K",
+                   help="build on the drafter chain's first K legs (default: all), e.g. to refit the set on the "
+                        "committed leg while a later leg trains")
     p.add_argument("--dry-run", action="store_true", help="print each stage's run config, run nothing")
     compile_cache.add_flag(p)
     args = p.parse_args(argv)
@@ -526,6 +537,8 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}")
         spec = SetSpec.read(args.set)
+        if args.through_leg is not None:
+            spec = spec.through(args.through_leg)
         work = args.work or Path("runs") / Path(args.set).stem
         if args.dry_run:
             for name in stages:
