@@ -372,6 +372,7 @@ def target_feature_cache(target: Target, seqs: Sequences, layer_ids: tuple[int, 
     done_path = cache_dir / f"done-{name}-{key}.npy"
     needed = np.zeros(N, bool)
     needed[np.arange(N) if rows is None else np.asarray(rows, np.int64)] = True
+
     def cached() -> tuple[dict | None, np.ndarray | None]:  # (the features if they hold every needed row, mask)
         out = _open_features(cache_dir, files, seqs)
         done = _read_done(done_path, N) if out is not None else None
